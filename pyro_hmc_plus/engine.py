@@ -1,0 +1,179 @@
+"""The gradient engine: turns the flat potential's gradient, and the sampler's functions
+around it, into programs built once and reused for every step.
+
+Engines (``engine=`` on the kernels):
+
+``"trace"``
+    Trace ``(U, dU/dz)`` once with ``make_fx`` (refusing latent-dependent Python values, see
+    :mod:`pyro_hmc_plus.tracing`), inline it into the sampler's function (a block of
+    leapfrog steps, a whole transition), fold constants, and run the result with
+    ``torch.jit.trace``. Ready in a fraction of a second.
+``"inductor"``
+    The same graph compiled to C++ by TorchInductor (:mod:`pyro_hmc_plus._compile`). The
+    fastest steady state, but it costs 10-20 s of compilation in a fresh process (less
+    with a warm on-disk cache): worth it for long runs.
+``"eager"``
+    Pyro's potential and ``torch.autograd.grad`` at every step: always correct, slow.
+``"auto"`` (default)
+    ``"trace"``, falling back to ``"eager"``.
+
+Every program is checked against the eager function at the caller's validation inputs
+(fresh random points) before it is used. If tracing is refused, fails, or disagrees with
+the eager result, the engine warns once, saying why, and uses the eager path.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable, Sequence
+
+import pyro
+import torch
+
+from . import _compile, tracing
+from .potential import FlatPotential
+
+ENGINES = ("auto", "trace", "inductor", "eager")
+
+
+class EngineFallbackWarning(UserWarning):
+    """The requested engine could not be used for this model; a slower, safe one is used."""
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-4 if dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-8
+
+
+def _max_rel_error(actual, expected) -> float:
+    """Largest ``max|a - b| / max|b|`` over matching tensors of two (nested) outputs."""
+    worst = 0.0
+    for a, b in zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected)):
+        if not torch.is_tensor(b) or not b.is_floating_point():
+            if torch.is_tensor(b) and not torch.equal(a, b):
+                return float("inf")
+            continue
+        finite = torch.isfinite(b)
+        if not torch.equal(finite, torch.isfinite(a)):
+            return float("inf")
+        if not finite.any():
+            continue
+        scale = b[finite].abs().max().clamp(min=1.0).item()
+        worst = max(worst, ((a[finite] - b[finite]).abs().max() / scale).item())
+    return worst
+
+
+class GradientEngine:
+    """Builds the sampler's programs for one flat potential.
+
+    ``program(fn, example_inputs, validation_inputs)`` returns a callable equivalent to
+    ``lambda *xs: fn(self.value_and_grad, *xs)``, where ``fn`` is a pure function of tensors
+    from the functional core that calls ``value_and_grad(z)`` for ``z`` of shape ``(..., D)``.
+    """
+
+    @staticmethod
+    def check_name(engine: str) -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+
+    def __init__(self, flat: FlatPotential, engine: str = "auto"):
+        self.check_name(engine)
+        self.flat = flat
+        self.requested = engine
+        self.name = "eager" if engine == "eager" else ("inductor" if engine == "inductor" else "trace")
+        self.fallback_reason = None
+        self._graph = None
+        if self.name != "eager":
+            try:
+                with pyro.validation_enabled(False):
+                    self._graph = tracing.trace(flat.value_and_grad, (flat.initial_z.clone(),))
+            except tracing.UntraceableModel as e:
+                self._fall_back(f"{e}")
+
+    # ------------------------------------------------------------------ gradient
+    def value_and_grad(self, z: torch.Tensor):
+        """``(U, dU/dz)`` for ``z`` of shape ``(D,)`` or ``(..., D)``: the traced graph when
+        there is one (this is what gets inlined into programs), else eager autograd."""
+        if self._graph is None:
+            with pyro.validation_enabled(False):
+                if z.dim() == 1:
+                    return self.flat.value_and_grad(z)
+                return self.flat.batched_value_and_grad(z)
+        if z.dim() == 1:
+            return self._graph(z)
+        batch = z.shape[:-1]
+        U, g = torch.func.vmap(self._graph)(z.reshape(-1, z.shape[-1]))
+        return U.reshape(batch), g.reshape(z.shape)
+
+    def eager_value_and_grad(self, z: torch.Tensor):
+        with pyro.validation_enabled(False):
+            if z.dim() == 1:
+                return self.flat.value_and_grad(z)
+            return self.flat.batched_value_and_grad(z)
+
+    # ------------------------------------------------------------------ programs
+    def program(
+        self,
+        fn: Callable,
+        example_inputs: Sequence[torch.Tensor],
+        validation_inputs: Sequence[Sequence[torch.Tensor]] = (),
+    ) -> Callable:
+        """A compiled (or eager) program computing ``fn(value_and_grad, *inputs)``."""
+
+        def eager(*xs):
+            return fn(self.eager_value_and_grad, *xs)
+
+        if self.name == "eager":
+            return eager
+        try:
+            gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), tuple(example_inputs))
+        except tracing.UntraceableModel as e:
+            self._fall_back(f"{e}")
+            return eager
+        compiled = self._compile(gm, example_inputs)
+        for inputs in validation_inputs:
+            try:
+                expected = eager(*inputs)
+            except RuntimeError:
+                continue  # the model itself fails at this point: nothing to compare
+            try:
+                actual = compiled(*inputs)
+            except RuntimeError as e:
+                self._fall_back(f"the compiled program failed where Pyro's potential did not: {e}")
+                return eager
+            err = _max_rel_error(actual, expected)
+            if not err <= _tolerance(self.flat.dtype):
+                self._fall_back(
+                    f"the traced potential disagrees with Pyro's eager potential "
+                    f"(relative error {err:.2e}) at a validation point"
+                )
+                return eager
+        return compiled
+
+    def _compile(self, gm, example_inputs):
+        if self.name == "inductor":
+            try:
+                return _compile.inductor(gm, example_inputs)
+            except Exception as e:  # inductor has many failure types; the trace still works
+                warnings.warn(
+                    f"TorchInductor could not compile the model ({type(e).__name__}: {e}); "
+                    "using the traced graph instead",
+                    EngineFallbackWarning,
+                    stacklevel=3,
+                )
+                self.name = "trace"
+        return _compile.torchscript(gm, example_inputs)
+
+    def _fall_back(self, reason: str):
+        if self.name != "eager":
+            warnings.warn(
+                f"pyro_hmc_plus: cannot use the {self.name!r} engine for this "
+                f"{self.flat.source}: {reason}. Falling back to eager autograd (correct but "
+                "slow). To silence this, pass engine='eager'; to get the fast path, make the "
+                "potential branch-free in the latent variables (e.g. torch.where instead of "
+                "`if`, no .item()).",
+                EngineFallbackWarning,
+                stacklevel=4,
+            )
+        self.name = "eager"
+        self.fallback_reason = reason
+        self._graph = None

@@ -1,0 +1,508 @@
+"""The Pyro shell: kernels that implement ``pyro.infer.mcmc.MCMCKernel`` by holding the
+functional core's state and calling it. The only place with mutable state, dicts of sites
+and Pyro's conventions (unconstrained params in and out of ``sample``, ``diagnostics()``
+with post-warmup divergence indices, ``logging()`` for the progress bar).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections import OrderedDict
+
+import pyro
+import torch
+from pyro.infer.autoguide.initialization import init_to_uniform
+from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
+
+from . import adaptation, potential
+from .engine import GradientEngine
+from .hmc import HMCInfo, HMCState, hmc_step
+from .integrator import IntegratorState, leapfrog
+from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
+
+# Sample statistics recorded for every draw (warmup too), with Stan/ArviZ names.
+STAT_NAMES = ("lp", "energy", "acceptance_rate", "diverging", "step_size", "n_steps")
+
+_VALIDATION_POINTS = 2  # random points (besides the initial one) each program is checked at
+
+
+def _is_numerical_failure(e: Exception) -> bool:
+    """A linear-algebra failure inside the potential (e.g. Cholesky of a non-PD matrix):
+    the trajectory left the region where the model is defined, which is a divergence."""
+    try:
+        from pyro.ops.integrator import _EXCEPTION_HANDLERS
+
+        if any(handler(e) for handler in _EXCEPTION_HANDLERS.values()):
+            return True
+    except ImportError:  # pragma: no cover - older/newer Pyro without the registry
+        pass
+    return isinstance(e, torch.linalg.LinAlgError)
+
+
+def _args_key(args, kwargs):
+    """What the traced programs depend on besides the model: the data (identity and in-place
+    version of every tensor argument) and the default dtype."""
+    items = list(args) + sorted(kwargs.items(), key=lambda kv: kv[0])
+    key = []
+    for a in items:
+        v = a[1] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) else a
+        key.append((id(v), v._version if torch.is_tensor(v) else None))
+    return (tuple(key), torch.get_default_dtype())
+
+
+class HMC(MCMCKernel):
+    """Hamiltonian Monte Carlo with a fixed trajectory length, on a compiled gradient.
+
+    A drop-in replacement for :class:`pyro.infer.HMC`: every argument has Pyro's meaning.
+
+    :param model: a Pyro model (or give ``potential_fn``).
+    :param potential_fn: ``U(params)`` over a dict of unconstrained tensors; needs
+        ``initial_params`` (given to :class:`pyro.infer.MCMC`) and optionally ``transforms``.
+    :param float step_size: initial leapfrog step size (adapted in warmup if ``adapt_step_size``).
+    :param float trajectory_length: ``step_size * num_steps``; default ``2 * pi``. The number of
+        steps is ``max(1, int(trajectory_length / step_size))``, so it follows the adapted step size.
+    :param int num_steps: leapfrog steps per transition; sets ``trajectory_length`` if given.
+    :param bool adapt_step_size: dual averaging to ``target_accept_prob`` during warmup.
+    :param bool adapt_mass_matrix: estimate the inverse mass matrix in Stan's warmup windows.
+    :param full_mass: ``False`` (diagonal), ``True`` (dense), or a list of tuples of site names
+        whose joint blocks are dense (the rest diagonal).
+    :param dict transforms: per-site transforms to unconstrained space (``potential_fn`` only,
+        or to override the model's defaults).
+    :param int max_plate_nesting: as in Pyro, for models with enumerated discrete sites.
+    :param jit_compile: accepted for compatibility. This package always builds the
+        gradient once (see ``engine``); ``jit_compile=False`` does not switch it off.
+    :param jit_options: accepted for compatibility; ignored.
+    :param ignore_jit_warnings: accepted for compatibility; ignored.
+    :param float target_accept_prob: target of step-size adaptation (default 0.8).
+    :param init_strategy: Pyro init strategy (default ``init_to_uniform``).
+    :param float min_stepsize: lower bound of the step size during adaptation.
+    :param float max_stepsize: upper bound of the step size during adaptation.
+    :param str engine: ``"auto"``, ``"trace"``, ``"inductor"`` or ``"eager"`` (see
+        :mod:`pyro_hmc_plus.engine`).
+    :param int max_unroll: most leapfrog steps fused into one compiled call; longer
+        trajectories run as several calls.
+    """
+
+    def __init__(
+        self,
+        model=None,
+        potential_fn=None,
+        step_size=1,
+        trajectory_length=None,
+        num_steps=None,
+        adapt_step_size=True,
+        adapt_mass_matrix=True,
+        full_mass=False,
+        transforms=None,
+        max_plate_nesting=None,
+        jit_compile=False,
+        jit_options=None,
+        ignore_jit_warnings=False,
+        target_accept_prob=0.8,
+        init_strategy=init_to_uniform,
+        *,
+        min_stepsize: float = 1e-10,
+        max_stepsize: float = 1e10,
+        engine: str = "auto",
+        max_unroll: int = 16,
+    ):
+        if (model is None) == (potential_fn is None):
+            raise ValueError("give exactly one of `model` or `potential_fn`")
+        if not (isinstance(step_size, numbers.Real) and step_size > 0 and math.isfinite(step_size)):
+            raise ValueError(f"step_size must be a positive finite number, got {step_size!r}")
+        if num_steps is not None and not (isinstance(num_steps, numbers.Integral) and num_steps >= 1):
+            raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
+        if trajectory_length is not None and not trajectory_length > 0:
+            raise ValueError(f"trajectory_length must be positive, got {trajectory_length!r}")
+        if not 0 < target_accept_prob < 1:
+            raise ValueError(f"target_accept_prob must be in (0, 1), got {target_accept_prob!r}")
+        if not 0 < min_stepsize < max_stepsize:
+            raise ValueError("need 0 < min_stepsize < max_stepsize")
+        if not (full_mass in (True, False) or isinstance(full_mass, list)):
+            raise ValueError("full_mass must be True, False or a list of tuples of site names")
+        if max_unroll < 1:
+            raise ValueError("max_unroll must be at least 1")
+        GradientEngine.check_name(engine)
+        self.model = model
+        self.potential_fn = potential_fn
+        self.transforms = transforms
+        self._user_transforms = transforms
+        self._max_plate_nesting = max_plate_nesting
+        self._jit_compile = jit_compile
+        self._init_strategy = init_strategy
+        self._init_step_size = float(step_size)
+        if num_steps is not None:
+            trajectory_length = step_size * num_steps
+        self.trajectory_length = 2 * math.pi if trajectory_length is None else float(trajectory_length)
+        self.adapt_step_size = adapt_step_size
+        self.adapt_mass_matrix = adapt_mass_matrix
+        self.full_mass = full_mass
+        self.target_accept_prob = target_accept_prob
+        self.min_stepsize = min_stepsize
+        self.max_stepsize = max_stepsize
+        self.engine = engine
+        self.max_unroll = int(max_unroll)
+        self._initial_params = None
+        self._engines = {}  # args key -> GradientEngine, reused by sequential chains
+        self._engine = None
+        self._flat = None
+        self._chain_stats = []  # one dict of lists per chain run by this kernel object
+        self._reset()
+
+    # ------------------------------------------------------------------ pickling
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        for k in ("_engines", "_engine", "_flat", "_programs"):
+            state[k] = {} if k in ("_engines", "_programs") else None
+        return state
+
+    # ------------------------------------------------------------------ Pyro protocol
+    @property
+    def initial_params(self):
+        return self._initial_params
+
+    @initial_params.setter
+    def initial_params(self, params):
+        self._initial_params = params
+
+    @property
+    def step_size(self) -> float:
+        return self._step_size
+
+    @property
+    def num_steps(self) -> int:
+        return max(1, int(self.trajectory_length / self._step_size))
+
+    @property
+    def inverse_mass_matrix(self) -> torch.Tensor:
+        """The current inverse mass matrix over the flat vector: ``(D,)`` or ``(D, D)``."""
+        return self._metric.inverse_mass
+
+    @property
+    def engine_name(self) -> str:
+        """The engine actually in use (after any fallback)."""
+        return self._engine.name
+
+    def _reset(self):
+        self._t = 0
+        self._accept_cnt = 0
+        self._mean_accept_prob = 0.0
+        self._divergences = []
+        self._state = None
+        self._warmup_steps = 0
+        self._step_size = self._init_step_size
+        self._programs = {}
+
+    def setup(self, warmup_steps, *args, **kwargs):
+        initial = self._initial_params
+        self._reset()
+        self._warmup_steps = warmup_steps
+        if self.model is not None:
+            flat = potential.from_model(
+                self.model,
+                args,
+                kwargs,
+                transforms=self._user_transforms,
+                max_plate_nesting=self._max_plate_nesting,
+                init_strategy=self._init_strategy,
+                initial_params=self._checked_initial_params(initial),
+            )
+            # Pyro's model path returns the init point as `initial_params`
+            self._initial_params = flat.layout.unpack(flat.initial_z)
+        else:
+            flat = potential.from_potential_fn(self.potential_fn, initial, self._user_transforms)
+        self.transforms = flat.transforms
+        key = _args_key(args, kwargs)
+        if key not in self._engines or self._engines[key].flat.layout != flat.layout:
+            self._engines = {key: GradientEngine(flat, self.engine)}
+            self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
+        self._engine = self._engines[key]
+        self._flat = flat
+        z0 = flat.initial_z
+        potential.check_initial_point(flat, z0)
+        U0, g0 = self._engine.eager_value_and_grad(z0)
+        self._state = HMCState(z0, U0, g0)
+        self._configure_adaptation()
+        self._chain_stats.append({name: [] for name in STAT_NAMES + ("warmup",)})
+
+    def _checked_initial_params(self, initial):
+        if initial is None:
+            return None
+        bad = [k for k, v in initial.items() if not torch.isfinite(torch.as_tensor(v)).all()]
+        if bad:
+            raise ValueError(f"initial values of sites {bad} are not finite")
+        return initial
+
+    def cleanup(self):
+        self._reset()
+        self._initial_params = None  # as Pyro: the next chain draws its own initial point
+
+    def logging(self):
+        return OrderedDict(
+            [
+                ("step size", "{:.2e}".format(self._step_size)),
+                ("acc. prob", "{:.3f}".format(self._mean_accept_prob)),
+            ]
+        )
+
+    def diagnostics(self):
+        n = self._t - self._warmup_steps
+        return {
+            "divergences": list(self._divergences),
+            "acceptance rate": self._accept_cnt / n if n > 0 else float("nan"),
+        }
+
+    @property
+    def sample_stats(self):
+        """Per-draw statistics of every chain this kernel ran, warmup included.
+
+        A list (one entry per chain) of dicts ``name -> list``, with Stan's names: ``lp``
+        (log density up to a constant, ``-U``, in unconstrained space, Jacobian included),
+        ``energy`` (Hamiltonian), ``acceptance_rate``, ``diverging``, ``step_size``,
+        ``n_steps`` (leapfrog steps), and ``warmup`` (True for warmup draws).
+        """
+        return self._chain_stats
+
+    # ------------------------------------------------------------------ adaptation
+    def _mass_structure(self):
+        """``None`` for a diagonal metric, else a (D, D) 0/1 mask of the dense blocks
+        (sites outside every block of ``full_mass`` keep a diagonal metric)."""
+        layout = self._flat.layout
+        if self.full_mass is False:
+            return None
+        blocks = [layout.names] if self.full_mass is True else self.full_mass
+        block_of = {}
+        for b, block in enumerate(blocks):
+            if not (isinstance(block, tuple) and block and all(n in layout.names for n in block)):
+                raise ValueError(
+                    f"full_mass entries must be non-empty tuples of latent site names "
+                    f"{list(layout.names)}, got {block!r}"
+                )
+            for name in block:
+                if name in block_of:
+                    raise ValueError(f"site {name!r} appears in two full_mass blocks")
+                block_of[name] = b
+        group, next_id = [], len(blocks)
+        for name, size in zip(layout.names, layout.sizes):
+            if name in block_of:
+                group += [block_of[name]] * size
+            else:
+                group += range(next_id, next_id + size)
+                next_id += size
+        group = torch.tensor(group, device=self._flat.device)
+        return (group.unsqueeze(0) == group.unsqueeze(1)).to(self._flat.dtype)
+
+    def _configure_adaptation(self):
+        flat = self._flat
+        self._block_mask = self._mass_structure()
+        dense = self._block_mask is not None
+        self._metric = unit_metric(flat.dim, dense, dtype=flat.dtype, device=flat.device)
+        self._schedule = (
+            adaptation.adaptation_schedule(self._warmup_steps)
+            if (self.adapt_step_size or self.adapt_mass_matrix)
+            else []
+        )
+        self._window = 0
+        self._welford = adaptation.welford_init(flat.initial_z, dense) if self.adapt_mass_matrix else None
+        self._set_step_size(self._init_step_size)
+        if self.adapt_step_size and self._warmup_steps > 0:
+            self._reset_step_size_adaptation()
+
+    def _set_step_size(self, value: float):
+        self._step_size = float(value)
+        self._step_size_tensor = torch.tensor(self._step_size, dtype=self._flat.dtype, device=self._flat.device)
+
+    def _reset_step_size_adaptation(self):
+        self._set_step_size(
+            adaptation.find_reasonable_step_size(
+                self._one_step_energy_change, self._step_size, self.min_stepsize, self.max_stepsize
+            )
+        )
+        self._dual_avg = adaptation.dual_averaging_init(math.log(self._step_size))
+
+    def _one_step_energy_change(self, step_size: float) -> float:
+        z, U, g = self._state
+        r0 = momentum(self._noise(), self._metric.momentum_scale)
+        eps = torch.tensor(step_size, dtype=z.dtype, device=z.device)
+        start = IntegratorState(z, r0, U, g)
+        end = self._integrate(start, eps, self._metric.inverse_mass, num_steps=1)
+        delta = (end.potential_energy + kinetic_energy(end.r, self._metric.inverse_mass)) - (
+            U + kinetic_energy(r0, self._metric.inverse_mass)
+        )
+        delta = delta.item()
+        return delta if math.isfinite(delta) else math.inf
+
+    def _adapt(self, i: int, accept_prob: float):
+        """Warmup iteration ``i`` (0-based) finished with acceptance statistic ``accept_prob``."""
+        if self._window >= len(self._schedule):
+            return
+        window = self._schedule[self._window]
+        last = len(self._schedule) - 1
+        slow = self.adapt_mass_matrix and 0 < self._window < last
+        if self.adapt_step_size:
+            self._dual_avg = adaptation.dual_averaging_update(
+                self._dual_avg, accept_prob, self.target_accept_prob
+            )
+            self._set_step_size(
+                min(max(math.exp(self._dual_avg.log_step_size), self.min_stepsize), self.max_stepsize)
+            )
+        if slow:
+            self._welford = adaptation.welford_update(self._welford, self._state.z)
+        if i != window.end:
+            return
+        if self._window == last:
+            if self.adapt_step_size:
+                self._set_step_size(math.exp(self._dual_avg.log_step_size_avg))
+        elif slow:
+            cov = adaptation.welford_covariance(self._welford)
+            if self._block_mask is not None:
+                cov = cov * self._block_mask
+            self._metric = make_metric(cov, dense=self._block_mask is not None)
+            self._welford = adaptation.welford_init(self._state.z, self._block_mask is not None)
+            self._programs = {}  # programs are traced for one metric layout; values are inputs
+            if self.adapt_step_size:
+                self._reset_step_size_adaptation()
+        self._window += 1
+
+    # ------------------------------------------------------------------ the transition
+    def _noise(self):
+        flat = self._flat
+        return torch.randn(flat.dim, dtype=flat.dtype, device=flat.device)
+
+    def _leapfrog_program(self, num_steps: int):
+        """The compiled ``num_steps``-step leapfrog block, built (and validated) on first use."""
+
+        def block(value_and_grad, z, r, U, g, step_size, inverse_mass):
+            state = IntegratorState(z, r, U, g)
+            return tuple(leapfrog(value_and_grad, state, step_size, inverse_mass, num_steps))
+
+        return self._program(("leapfrog", num_steps), block, self._validation_inputs)
+
+    def _transition_program(self, num_steps: int):
+        """The whole transition (momentum, ``num_steps`` leapfrog steps, Metropolis test) as
+        one compiled call: used when the number of steps is fixed (no step-size adaptation
+        under way) and at most ``max_unroll``."""
+
+        def transition(value_and_grad, z, U, g, noise, log_u, step_size, inverse_mass, momentum_scale):
+            def integrate(start, eps, inv_mass):
+                return leapfrog(value_and_grad, start, eps, inv_mass, num_steps)
+
+            state, info = hmc_step(
+                integrate, HMCState(z, U, g), noise, log_u, step_size, Metric(inverse_mass, momentum_scale)
+            )
+            return tuple(state) + tuple(info)
+
+        def validation():
+            log_u = torch.tensor(-1.0, dtype=self._flat.dtype, device=self._flat.device)
+            return [
+                (z, U, g, r, log_u, eps, inv_mass, self._metric.momentum_scale)
+                for z, r, U, g, eps, inv_mass in self._validation_inputs()
+            ]
+
+        return self._program(("transition", num_steps), transition, validation)
+
+    def _program(self, key, fn, make_validation_inputs):
+        """The cached program ``key``; on first use, traced and checked at the inputs that
+        ``make_validation_inputs()`` returns (the first also serves as the tracing example)."""
+        program = self._programs.get(key)
+        if program is None:
+            before = self._engine.name
+            inputs = make_validation_inputs()
+            program = self._engine.program(fn, inputs[0], inputs)
+            if self._engine.name != before:  # fell back: earlier programs are for the old engine
+                self._programs = {}
+            self._programs[key] = program
+        return program
+
+    def _block_inputs(self, z=None, generator=None):
+        z = self._state.z if z is None else z
+        U, g = self._engine.eager_value_and_grad(z)
+        r = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)
+        eps = torch.tensor(1e-2, dtype=z.dtype, device=z.device)
+        return (z.clone(), r, U, g, eps, self._metric.inverse_mass.clone())
+
+    def _validation_inputs(self):
+        """The current point and fresh random points near it, drawn from a private generator
+        so validation never shifts the user's random stream."""
+        gen = torch.Generator(device=self._state.z.device).manual_seed(0)
+        z = self._state.z
+        points = [z] + [
+            z + torch.empty(z.shape, dtype=z.dtype, device=z.device).uniform_(-2, 2, generator=gen)
+            for _ in range(_VALIDATION_POINTS)
+        ]
+        return [self._block_inputs(p, gen) for p in points]
+
+    def _integrate(self, start: IntegratorState, step_size, inverse_mass, num_steps=None) -> IntegratorState:
+        """``num_steps`` leapfrog steps as a few fused blocks of at most ``max_unroll`` steps.
+
+        A numerical failure inside the model (e.g. a failed Cholesky) ends the trajectory
+        with ``U = nan``, which the transition turns into a rejected, divergent proposal.
+        """
+        remaining = self.num_steps if num_steps is None else num_steps
+        state = start
+        try:
+            while remaining:
+                k = min(remaining, self.max_unroll)
+                k = 1 << (k.bit_length() - 1)  # blocks of powers of two: few distinct programs
+                state = IntegratorState(*self._leapfrog_program(k)(*state, step_size, inverse_mass))
+                remaining -= k
+        except (RuntimeError, ValueError) as e:
+            if not _is_numerical_failure(e):
+                raise
+            nan = torch.full_like(start.potential_energy, float("nan"))
+            return IntegratorState(start.z, start.r, nan, start.grad)
+        return state
+
+    def _failed_transition(self):
+        """The outcome of a transition whose trajectory failed numerically: rejected, divergent."""
+        z, U, g = self._state
+        inf = torch.full_like(U, float("inf"))
+        false, true = torch.zeros_like(U, dtype=torch.bool), torch.ones_like(U, dtype=torch.bool)
+        return (z, U, g, U, inf, torch.zeros_like(U), true, false)
+
+    def sample(self, params):
+        if self._state is None:
+            raise RuntimeError("call setup() before sample()")
+        flat = self._flat
+        n_steps = self.num_steps
+        warmup = self._t < self._warmup_steps
+        log_u = torch.rand((), dtype=flat.dtype, device=flat.device).log()
+        noise = self._noise()
+        step_size_fixed = not (warmup and self.adapt_step_size)
+        if step_size_fixed and n_steps <= self.max_unroll:
+            try:
+                out = self._transition_program(n_steps)(
+                    *self._state, noise, log_u, self._step_size_tensor, *self._metric
+                )
+            except (RuntimeError, ValueError) as e:
+                if not _is_numerical_failure(e):
+                    raise
+                out = self._failed_transition()
+            self._state, info = HMCState(*out[:3]), HMCInfo(*out[3:])
+        else:
+            self._state, info = hmc_step(
+                self._integrate, self._state, noise, log_u, self._step_size_tensor, self._metric
+            )
+        lp, energy, accept_prob, diverging, accepted = torch.stack(
+            [-info.potential_energy, info.energy, info.acceptance_prob,
+             info.diverging.to(flat.dtype), info.accepted.to(flat.dtype)]
+        ).tolist()
+        stats = self._chain_stats[-1]
+        for name, value in zip(
+            STAT_NAMES + ("warmup",),
+            (lp, energy, accept_prob, bool(diverging), self._step_size, n_steps, warmup),
+        ):
+            stats[name].append(value)
+        if warmup:
+            self._adapt(self._t, accept_prob)
+            n = self._t + 1
+        else:
+            n = self._t - self._warmup_steps + 1
+            self._accept_cnt += int(accepted)
+            if diverging:
+                self._divergences.append(self._t - self._warmup_steps)
+        self._mean_accept_prob += (accept_prob - self._mean_accept_prob) / n
+        self._t += 1
+        return flat.layout.unpack(self._state.z)

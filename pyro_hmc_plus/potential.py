@@ -1,0 +1,209 @@
+"""The model boundary: a Pyro model (or a ``potential_fn``) as a function of one flat vector.
+
+HMC moves a point ``z`` of the unconstrained space. Pyro keeps that point as a dict of
+per-site tensors; the sampler's arithmetic wants one flat vector. :class:`FlatPotential`
+holds the translation (the :class:`SiteLayout`: site names sorted as Pyro sorts them,
+their shapes and offsets), the constraint transforms, and the potential energy
+``U(z) = -log p(z | data)`` (including the log-Jacobian of the transforms, as Pyro's
+``initialize_model`` defines it).
+
+Everything here is eager and exact; making the gradient cheap is the job of
+:mod:`pyro_hmc_plus.engine`, which traces :meth:`FlatPotential.value_and_grad` once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, NamedTuple, Tuple
+
+import pyro
+import torch
+from pyro.infer.mcmc.util import initialize_model
+
+
+class SiteLayout(NamedTuple):
+    """Where each latent site lives in the flat vector: ``z[..., offsets[i]:offsets[i]+sizes[i]]``."""
+
+    names: Tuple[str, ...]
+    shapes: Tuple[torch.Size, ...]
+    sizes: Tuple[int, ...]
+
+    @staticmethod
+    def of(params: Dict[str, torch.Tensor], batch_ndim: int = 0) -> "SiteLayout":
+        """Layout of a dict of tensors, each with ``batch_ndim`` leading batch dimensions."""
+        names = tuple(sorted(params))
+        shapes = tuple(torch.Size(params[k].shape[batch_ndim:]) for k in names)
+        return SiteLayout(names, shapes, tuple(math.prod(s) for s in shapes))
+
+    @property
+    def dim(self) -> int:
+        """D, the length of the flat vector."""
+        return sum(self.sizes)
+
+    def pack(self, params: Dict[str, torch.Tensor], batch_shape=()) -> torch.Tensor:
+        """A dict of site tensors of shape ``batch_shape + site_shape`` -> ``batch_shape + (D,)``."""
+        missing = [k for k in self.names if k not in params]
+        if missing:
+            raise ValueError(f"missing latent sites {missing}; expected sites {list(self.names)}")
+        flat = []
+        for name, shape in zip(self.names, self.shapes):
+            value = torch.as_tensor(params[name])
+            expected = torch.Size(batch_shape) + shape
+            if value.shape != expected:
+                raise ValueError(
+                    f"site {name!r} has shape {tuple(value.shape)}, expected {tuple(expected)}"
+                )
+            flat.append(value.reshape(tuple(batch_shape) + (-1,)))
+        return torch.cat(flat, dim=-1)
+
+    def unpack(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """``(..., D)`` -> dict of views of shape ``... + site_shape``."""
+        batch = z.shape[:-1]
+        pieces = z.split(self.sizes, dim=-1)
+        return {k: p.reshape(batch + s) for k, p, s in zip(self.names, pieces, self.shapes)}
+
+
+class FlatPotential:
+    """``U`` and its gradient over one flat unconstrained vector, exactly as Pyro defines ``U``.
+
+    Built by :func:`from_model` or :func:`from_potential_fn`. ``initial_z`` is the starting
+    point chosen by the init strategy (or given by the user), shape ``(D,)``.
+    """
+
+    def __init__(self, potential_fn, layout: SiteLayout, transforms, initial_z, source: str):
+        self.potential_fn = potential_fn
+        self.layout = layout
+        self.transforms = transforms
+        self.initial_z = initial_z
+        self.source = source  # "model" or "potential_fn": where U came from, for messages
+
+    @property
+    def dim(self) -> int:
+        return self.layout.dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.initial_z.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.initial_z.device
+
+    def potential(self, z: torch.Tensor) -> torch.Tensor:
+        """U at one point ``z`` of shape ``(D,)``, a 0-d tensor."""
+        U = self.potential_fn(self.layout.unpack(z))
+        if not torch.is_tensor(U) or U.numel() != 1:
+            raise ValueError(
+                f"the potential energy must be a scalar tensor, got "
+                f"{type(U).__name__} of shape {tuple(getattr(U, 'shape', ()))}"
+            )
+        return U.reshape(())
+
+    def value_and_grad(self, z: torch.Tensor):
+        """``(U, dU/dz)`` at one point ``z`` of shape ``(D,)`` by eager autograd.
+
+        This is the function the engines trace. It uses ``torch.autograd.grad`` (not
+        ``torch.func``) because Pyro's enumeration code relies on old-style
+        ``autograd.Function`` s that functorch refuses.
+        """
+        with torch.enable_grad():
+            z = z.detach().requires_grad_(True)
+            U = self.potential(z)
+            (g,) = torch.autograd.grad(U, z, allow_unused=True)
+        if g is None:  # U does not depend on z at all
+            g = torch.zeros_like(z)
+        return U.detach(), g
+
+    def batched_value_and_grad(self, z: torch.Tensor):
+        """Eager ``(U, dU/dz)`` for ``z`` of shape ``(..., D)``: a loop, the safe reference."""
+        flat = z.reshape(-1, z.shape[-1])
+        pairs = [self.value_and_grad(zi) for zi in flat]
+        U = torch.stack([p[0] for p in pairs]).reshape(z.shape[:-1])
+        g = torch.stack([p[1] for p in pairs]).reshape(z.shape)
+        return U, g
+
+
+def from_model(
+    model: Callable,
+    model_args=(),
+    model_kwargs=None,
+    *,
+    transforms=None,
+    max_plate_nesting=None,
+    init_strategy=None,
+    initial_params=None,
+) -> FlatPotential:
+    """Build the flat potential of a Pyro model with Pyro's own ``initialize_model``.
+
+    Pyro chooses the transforms, enumerates discrete sites where it can, runs the init
+    strategy (retrying until the potential is finite) and defines ``U``; we only flatten.
+    """
+    kwargs = {}
+    if init_strategy is not None:
+        kwargs["init_strategy"] = init_strategy
+    try:
+        init, potential_fn, transforms, _ = initialize_model(
+            model,
+            model_args,
+            model_kwargs or {},
+            transforms=transforms,
+            max_plate_nesting=max_plate_nesting,
+            initial_params=initial_params,
+            **kwargs,
+        )
+    except NotImplementedError as e:
+        raise NotImplementedError(
+            f"{e}. pyro_hmc_plus samples continuous latent sites (discrete sites only when Pyro "
+            "can enumerate them); remove subsampling and give discrete sites finite support, "
+            "or marginalise them out."
+        ) from e
+    except RuntimeError as e:
+        if "valid initial" in str(e) or "initial" in str(e).lower():
+            raise RuntimeError(
+                f"{e}. The potential energy was not finite at any initial point the init "
+                "strategy tried: check the model's data and priors, or pass finite "
+                "`initial_params` (or another `init_strategy`)."
+            ) from e
+        raise
+    if not init:
+        raise ValueError("the model has no continuous latent sites to sample")
+    layout = SiteLayout.of(init)
+    z0 = layout.pack({k: v.detach() for k, v in init.items()})
+    return FlatPotential(potential_fn, layout, transforms, z0, source="model")
+
+
+def from_potential_fn(potential_fn: Callable, initial_params, transforms=None) -> FlatPotential:
+    """Build the flat potential of a user ``potential_fn`` over a dict of unconstrained tensors.
+
+    ``initial_params`` (one value per site, unconstrained) fixes the layout and the start.
+    """
+    if not initial_params:
+        raise ValueError(
+            "with `potential_fn`, pass `initial_params`: a dict of unconstrained tensors, one "
+            "per site (to pyro.infer.MCMC or to the kernel), so the sampler knows the sites "
+            "and where to start"
+        )
+    params = {k: torch.as_tensor(v).detach() for k, v in initial_params.items()}
+    layout = SiteLayout.of(params)
+    z0 = layout.pack(params)
+    flat = FlatPotential(potential_fn, layout, transforms or {}, z0, source="potential_fn")
+    check_initial_point(flat, z0)
+    return flat
+
+
+def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
+    """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and gradient."""
+    if z.shape != (flat.dim,):
+        raise ValueError(f"initial point has shape {tuple(z.shape)}, expected ({flat.dim},)")
+    if not torch.isfinite(z).all():
+        bad = [n for n, v in flat.layout.unpack(z).items() if not torch.isfinite(v).all()]
+        raise ValueError(f"initial values of sites {bad} are not finite")
+    with pyro.validation_enabled(False):
+        U, g = flat.value_and_grad(z)
+    if not torch.isfinite(U):
+        raise ValueError(
+            f"the potential energy at the initial point is {U.item()}; give initial values "
+            "inside the support (unconstrained values where the log density is finite)"
+        )
+    if not torch.isfinite(g).all():
+        raise ValueError("the gradient of the potential energy at the initial point is not finite")
