@@ -82,6 +82,7 @@ class GradientEngine:
         self.name = "eager" if engine == "eager" else ("inductor" if engine == "inductor" else "trace")
         self.fallback_reason = None
         self._graph = None
+        self._vmappable = True
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -100,8 +101,16 @@ class GradientEngine:
                 return self.flat.batched_value_and_grad(z)
         if z.dim() == 1:
             return self._graph(z)
-        batch = z.shape[:-1]
-        U, g = torch.func.vmap(self._graph)(z.reshape(-1, z.shape[-1]))
+        batch, flat_z = z.shape[:-1], z.reshape(-1, z.shape[-1])
+        if self._vmappable:
+            try:
+                U, g = torch.func.vmap(self._graph)(flat_z)
+                return U.reshape(batch), g.reshape(z.shape)
+            except RuntimeError:  # an op without a batching rule (e.g. in-place scatter)
+                self._vmappable = False
+        pairs = [self._graph(zi) for zi in flat_z]
+        U = torch.stack([p[0] for p in pairs])
+        g = torch.stack([p[1] for p in pairs])
         return U.reshape(batch), g.reshape(z.shape)
 
     def eager_value_and_grad(self, z: torch.Tensor):

@@ -361,7 +361,6 @@ class HMC(MCMCKernel):
                 cov = cov * self._block_mask
             self._metric = make_metric(cov, dense=self._block_mask is not None)
             self._welford = adaptation.welford_init(self._state.z, self._block_mask is not None)
-            self._programs = {}  # programs are traced for one metric layout; values are inputs
             if self.adapt_step_size:
                 self._reset_step_size_adaptation()
         self._window += 1

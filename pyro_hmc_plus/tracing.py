@@ -206,13 +206,44 @@ def _is_value_identity(node) -> bool:
     return False
 
 
+def _is_masked_fill(node) -> bool:
+    if node.target not in (aten.index_put_.default, aten.index_put.default) or len(node.args) < 3:
+        return False
+    if len(node.args) > 3 and node.args[3]:  # accumulate=True is an add, not a fill
+        return False
+    x, indices, value = node.args[:3]
+    if not (isinstance(indices, (list, tuple)) and len(indices) == 1):
+        return False
+    mask, xv, vv = _val(indices[0]), _val(x), _val(value)
+    return (
+        torch.is_tensor(mask) and mask.dtype == torch.bool and torch.is_tensor(xv)
+        and mask.shape == xv.shape and torch.is_tensor(vv) and vv.dim() == 0
+    )
+
+
 def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Remove ops that do not change values (reshapes to the same shape, permutations of
     unit dimensions, ``x + 0``, ``x * 1``, ``x ** 1``, one-element ``cat``) and collapse chains of
     reshapes. Each op removed saves a few microseconds per call in the interpreted engines."""
     graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.op == "get_attr" and "val" not in node.meta:
+            node.meta["val"] = getattr(gm, node.target)  # constants: their value is their meta
     for node in list(graph.nodes):
         if node.op != "call_function":
+            continue
+        if _is_masked_fill(node):
+            # x[mask] = v with a full-shape mask: a `where`, which vmap and compilers accept
+            x, (mask,), value = node.args[:3]
+            with graph.inserting_before(node):
+                where = graph.call_function(aten.where.self, (mask, value, x))
+            where.meta = dict(node.meta)
+            later = [u for u in x.users if u is not node and order.get(u, -1) > order[node]]
+            node.replace_all_uses_with(where)
+            for user in later:
+                user.replace_input_with(x, where)
+            graph.erase_node(node)
             continue
         if node.target is aten.cat.default and len(node.args[0]) == 1 and _val(node) is not None:
             if _val(node.args[0][0]) is not None and _val(node.args[0][0]).shape == _val(node).shape:

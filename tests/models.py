@@ -1,0 +1,49 @@
+"""Models shared by the tests, with their exact posteriors where known."""
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+PRECISION = torch.tensor([[10.25, -9.74], [-9.74, 10.25]])  # the classic question's target
+
+
+def gauss2d():
+    pyro.sample("q", dist.MultivariateNormal(torch.zeros(2), precision_matrix=PRECISION))
+
+
+def normal_normal(x):
+    """mu ~ N(0, 10^2), x_i ~ N(mu, 1): posterior N(sum(x) / (n + 0.01), 1 / (n + 0.01))."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+
+def normal_normal_posterior(x):
+    n = len(x)
+    precision = n + 0.01
+    return float(x.sum() / precision), 1.0 / precision
+
+
+def gamma_poisson(y):
+    """rate ~ Gamma(2, 1), y_i ~ Poisson(rate): posterior Gamma(2 + sum(y), 1 + n)."""
+    rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Poisson(rate), obs=y)
+
+
+def dirichlet_categorical(counts):
+    """p ~ Dirichlet(1, 1, 1), counts ~ Multinomial(p): posterior Dirichlet(1 + counts)."""
+    p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))
+    pyro.sample("obs", dist.Multinomial(int(counts.sum()), p), obs=counts)
+
+
+def eight_schools(y, sigma):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("schools", len(y)):
+        theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+        pyro.sample("y", dist.Normal(mu + tau * theta_raw, sigma), obs=y)
+
+
+EIGHT_SCHOOLS_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+EIGHT_SCHOOLS_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])

@@ -1,0 +1,234 @@
+"""Statistical tests of pyro_hmc_plus.HMC against exact posteriors and Pyro's own HMC.
+
+Tolerances are multiples of Monte Carlo standard errors computed from ArviZ's ESS; seeds
+are fixed, so each test is deterministic.
+"""
+
+import pickle
+
+import arviz as az
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import MCMC
+from pyro.infer import HMC as PyroHMC
+
+from pyro_hmc_plus import HMC
+
+from helpers import assert_mean, assert_variance
+from models import (
+    PRECISION,
+    dirichlet_categorical,
+    gamma_poisson,
+    gauss2d,
+    normal_normal,
+    normal_normal_posterior,
+)
+
+
+def run(kernel, num_samples=1000, warmup_steps=300, *args, **kw):
+    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True, **kw)
+    mcmc.run(*args)
+    return mcmc
+
+
+def test_classic_question_gaussian():
+    """The forum thread's target, its sampler settings: step 0.25, 10 leapfrog steps."""
+    kernel = HMC(gauss2d, step_size=0.25, num_steps=10, adapt_step_size=False, adapt_mass_matrix=False)
+    q = run(kernel, 3000, 0).get_samples()["q"].numpy()
+    cov = torch.linalg.inv(PRECISION).numpy()
+    assert_mean(q, [0.0, 0.0])
+    assert_variance(q, np.diag(cov))
+    # the correlation: E[q0 q1] = cov01
+    assert_mean(q[:, 0] * q[:, 1], cov[0, 1])
+    assert kernel.engine_name == "trace"
+
+
+def test_badly_scaled_100d_gaussian_needs_and_gets_mass_adaptation():
+    scales = torch.logspace(-2, 2, 100)  # 0.01 .. 100
+
+    def model():
+        pyro.sample("x", dist.Normal(torch.zeros(100), scales).to_event(1))
+
+    # a trajectory of about a quarter period of the preconditioned dynamics: far from the
+    # half and full periods where fixed-length HMC resonates on a Gaussian
+    kernel = HMC(model, trajectory_length=1.5)
+    x = run(kernel, 1000, 1000).get_samples()["x"].numpy()
+    assert_mean(x / scales.numpy(), 0.0)
+    assert_variance(x / scales.numpy(), 1.0)
+    # the adapted inverse mass is the posterior variance, within sampling error
+    ratio = kernel.inverse_mass_matrix / scales**2
+    assert ratio.min() > 0.5 and ratio.max() < 2.0
+
+
+def test_conjugate_normal_normal():
+    x = torch.randn(20) + 3.0
+    mean, var = normal_normal_posterior(x)
+    mu = run(HMC(normal_normal), 1500, 300, x).get_samples()["mu"].numpy()
+    assert_mean(mu, mean)
+    assert_variance(mu, var)
+
+
+def test_positive_site_in_constrained_space():
+    y = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
+    a, b = 2.0 + y.sum(), 1.0 + len(y)
+    rate = run(HMC(gamma_poisson), 1500, 300, y).get_samples()["rate"].numpy()
+    assert (rate > 0).all()
+    assert_mean(rate, a / b)
+    assert_variance(rate, a / b**2)
+
+
+def test_simplex_site_in_constrained_space():
+    counts = torch.tensor([3.0, 5.0, 2.0])
+    alpha = 1.0 + counts
+    p = run(HMC(dirichlet_categorical), 1500, 300, counts).get_samples()["p"].numpy()
+    assert np.allclose(p.sum(-1), 1.0, atol=1e-5)
+    a0 = alpha.sum()
+    assert_mean(p, (alpha / a0).numpy())
+    assert_variance(p, (alpha * (a0 - alpha) / (a0**2 * (a0 + 1))).numpy())
+
+
+@pytest.mark.parametrize("full_mass", [True, [("a",)], [("a", "b")]])
+def test_dense_and_block_mass_matrices(full_mass):
+    cov = torch.tensor([[1.0, 0.9], [0.9, 1.0]])
+
+    def model():
+        a = pyro.sample("a", dist.Normal(0.0, 1.0))
+        pyro.sample("b", dist.Normal(0.9 * a, (1 - 0.81) ** 0.5))
+
+    kernel = HMC(model, full_mass=full_mass, trajectory_length=2.0)
+    mcmc = run(kernel, 1000, 400)
+    s = mcmc.get_samples()
+    ab = torch.stack([s["a"], s["b"]], -1).numpy()
+    assert_mean(ab, [0.0, 0.0])
+    assert_variance(ab, [1.0, 1.0])
+    inv_mass = kernel.inverse_mass_matrix
+    assert inv_mass.shape == (2, 2)
+    if full_mass == [("a",)]:
+        assert inv_mass[0, 1] == 0  # b is outside the dense block: no cross term
+    else:
+        assert inv_mass[0, 1] > 0.5 * cov[0, 1]
+
+
+def test_float64_models_run_in_float64():
+    torch.set_default_dtype(torch.float64)
+    x = torch.randn(10) + 1.0
+    mcmc = run(HMC(normal_normal), 500, 200, x)
+    mu = mcmc.get_samples()["mu"]
+    assert mu.dtype == torch.float64
+    mean, var = normal_normal_posterior(x)
+    assert_mean(mu.numpy(), mean)
+
+
+def test_potential_fn_with_initial_params_and_transforms():
+    def potential_fn(params):
+        return 0.5 * ((params["x"] - 1.0) ** 2).sum()
+
+    kernel = HMC(potential_fn=potential_fn, step_size=0.5, num_steps=4)
+    mcmc = run(kernel, 1500, 300, initial_params={"x": torch.zeros(3)})
+    x = mcmc.get_samples()["x"].numpy()
+    assert x.shape == (1500, 3)
+    assert_mean(x, 1.0)
+    assert_variance(x, 1.0)
+
+
+def test_same_posterior_as_pyro_hmc():
+    """The same script with Pyro's kernel and ours: the means agree within joint MCSE."""
+    x = torch.randn(20) + 3.0
+    ours = run(HMC(normal_normal, step_size=0.1, num_steps=5), 800, 200, x).get_samples()["mu"].numpy()
+    pyro.set_rng_seed(1)
+    theirs = run(PyroHMC(normal_normal, step_size=0.1, num_steps=5), 800, 200, x).get_samples()["mu"].numpy()
+    se = np.sqrt(ours.var() / az.ess(ours[None]) + theirs.var() / az.ess(theirs[None]))
+    assert abs(ours.mean() - theirs.mean()) < 4.5 * se
+    assert abs(ours.var() / theirs.var() - 1) < 0.35
+
+
+def test_pyro_mcmc_protocol_hook_save_params_summary_diagnostics_arviz(capsys):
+    x = torch.randn(10)
+    calls = []
+
+    def model(x):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(5.0))
+        with pyro.plate("data", len(x)):
+            pyro.sample("x", dist.Normal(mu, sigma), obs=x)
+
+    kernel = HMC(model, step_size=0.1, num_steps=8)
+    mcmc = MCMC(kernel, num_samples=200, warmup_steps=100, disable_progbar=True,
+                hook_fn=lambda k, p, stage, i: calls.append(stage), save_params=["mu"])
+    mcmc.run(x)
+    assert len(calls) == 300 and calls[0] == "Warmup" and calls[-1] == "Sample"
+    assert set(mcmc.get_samples()) == {"mu"}
+    mcmc.summary()
+    assert "Number of divergences" in capsys.readouterr().out
+    diag = mcmc.diagnostics()
+    assert set(diag["divergences"]) == {"chain 0"} and 0 < diag["acceptance rate"]["chain 0"] <= 1
+    idata = az.from_pyro(mcmc)
+    assert "diverging" in idata.sample_stats
+    stats = kernel.sample_stats[0]
+    assert len(stats["lp"]) == 300 and sum(stats["warmup"]) == 100
+    assert set(stats) >= {"lp", "energy", "acceptance_rate", "diverging", "step_size", "n_steps"}
+    assert all(n == max(1, int(kernel.trajectory_length / s)) for n, s in zip(stats["n_steps"], stats["step_size"]))
+
+
+def test_two_chains_sequential_and_initial_params_per_chain():
+    x = torch.randn(10) + 2.0
+    kernel = HMC(normal_normal, step_size=0.2, num_steps=5)
+    with pytest.warns(UserWarning, match="sequentially"):
+        mcmc = MCMC(kernel, num_samples=300, warmup_steps=100, num_chains=2, disable_progbar=True,
+                    initial_params={"mu": torch.tensor([-5.0, 5.0])})
+    mcmc.run(x)
+    mu = mcmc.get_samples(group_by_chain=True)["mu"]
+    assert mu.shape == (2, 300)
+    assert not torch.equal(mu[0], mu[1])
+    assert len(kernel.sample_stats) == 2
+
+
+def test_kernel_pickles_before_and_after_setup():
+    kernel = HMC(gauss2d, step_size=0.25, num_steps=10)
+    clone = pickle.loads(pickle.dumps(kernel))
+    run(clone, 50, 20)
+    run(kernel, 50, 20)
+    again = pickle.loads(pickle.dumps(kernel))
+    run(again, 50, 20)
+
+
+def test_non_finite_energy_is_a_divergence_not_a_crash():
+    def potential_fn(p):
+        x = p["x"]
+        # undefined (nan) beyond |x| > 3, like a model leaving its support
+        return torch.where(x.abs() < 3, 0.5 * x**2, torch.full_like(x, float("nan"))).sum()
+
+    kernel = HMC(potential_fn=potential_fn, step_size=1.5, num_steps=4, adapt_step_size=False)
+    mcmc = run(kernel, 300, 0, initial_params={"x": torch.zeros(1)})
+    assert len(mcmc.diagnostics()["divergences"]["chain 0"]) > 0
+    assert torch.isfinite(mcmc.get_samples()["x"]).all()
+
+
+def test_bad_arguments_get_clear_errors():
+    with pytest.raises(ValueError, match="exactly one"):
+        HMC()
+    with pytest.raises(ValueError, match="step_size"):
+        HMC(gauss2d, step_size=-1.0)
+    with pytest.raises(ValueError, match="num_steps"):
+        HMC(gauss2d, num_steps=0)
+    with pytest.raises(ValueError, match="engine"):
+        HMC(gauss2d, engine="fast")
+    with pytest.raises(TypeError):
+        HMC(gauss2d, not_an_argument=1)
+    with pytest.raises(ValueError, match="full_mass"):
+        run(HMC(gauss2d, full_mass=[("nope",)]), 5, 5)
+
+
+def test_non_finite_initial_params_are_rejected():
+    with pytest.raises(ValueError, match="not finite"):
+        run(HMC(gauss2d), 5, 5, initial_params={"q": torch.tensor([float("inf"), 0.0])})
+
+
+def test_same_seed_same_draws():
+    a = run(HMC(gauss2d, step_size=0.25, num_steps=10), 50, 50).get_samples()["q"]
+    pyro.set_rng_seed(0)
+    b = run(HMC(gauss2d, step_size=0.25, num_steps=10), 50, 50).get_samples()["q"]
+    assert torch.equal(a, b)

@@ -1,0 +1,86 @@
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer.mcmc.util import initialize_model
+from pyro.ops.integrator import potential_grad
+
+from pyro_hmc_plus import SiteLayout, from_model, from_potential_fn
+from pyro_hmc_plus.potential import check_initial_point
+
+from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools
+
+
+def test_layout_sorted_by_name_and_roundtrips():
+    params = {"b": torch.randn(2, 3), "a": torch.randn(()), "c": torch.randn(4)}
+    layout = SiteLayout.of(params)
+    assert layout.names == ("a", "b", "c") and layout.dim == 11
+    z = layout.pack(params)
+    assert z.shape == (11,)
+    back = layout.unpack(z)
+    for k in params:
+        assert torch.equal(back[k], params[k])
+    batched = {k: torch.stack([v, v + 1]) for k, v in params.items()}
+    zb = layout.pack(batched, batch_shape=(2,))
+    assert zb.shape == (2, 11) and torch.allclose(zb[1] - zb[0], torch.ones(11))
+
+
+def test_pack_rejects_wrong_shapes_and_missing_sites():
+    layout = SiteLayout.of({"a": torch.zeros(3)})
+    with pytest.raises(ValueError, match="site 'a' has shape"):
+        layout.pack({"a": torch.zeros(4)})
+    with pytest.raises(ValueError, match="missing latent sites"):
+        layout.pack({})
+
+
+def test_value_and_grad_matches_pyro_potential_grad():
+    flat = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    init, potential_fn, _, _ = initialize_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    for _ in range(3):
+        z = torch.randn(flat.dim)
+        U, g = flat.value_and_grad(z)
+        params = flat.layout.unpack(z.clone())
+        grads, U_ref = potential_grad(potential_fn, params)
+        assert torch.allclose(U, U_ref, rtol=1e-5)
+        assert torch.allclose(g, flat.layout.pack(grads), rtol=1e-5, atol=1e-6)
+
+
+def test_constrained_sites_use_pyro_transforms():
+    flat = from_model(dirichlet_categorical, (torch.tensor([3.0, 5.0, 2.0]),))
+    assert flat.dim == 2  # the simplex is unconstrained to R^2
+    assert set(flat.transforms) == {"p"}
+
+
+def test_potential_fn_requires_initial_params():
+    with pytest.raises(ValueError, match="initial_params"):
+        from_potential_fn(lambda p: (p["x"] ** 2).sum(), None)
+
+
+def test_non_finite_initial_values_are_rejected():
+    with pytest.raises(ValueError, match="not finite"):
+        from_potential_fn(lambda p: (p["x"] ** 2).sum(), {"x": torch.tensor([0.0, float("nan")])})
+
+
+def test_potential_must_be_scalar():
+    with pytest.raises(ValueError, match="scalar"):
+        from_potential_fn(lambda p: p["x"] ** 2, {"x": torch.zeros(3)})
+
+
+def test_potential_non_finite_at_initial_point():
+    with pytest.raises(ValueError, match="potential energy at the initial point"):
+        from_potential_fn(lambda p: -torch.log(p["x"]).sum(), {"x": torch.tensor([-1.0])})
+
+
+def test_wrong_shape_initial_point():
+    flat = from_potential_fn(lambda p: (p["x"] ** 2).sum(), {"x": torch.zeros(3)})
+    with pytest.raises(ValueError, match="expected \\(3,\\)"):
+        check_initial_point(flat, torch.zeros(4))
+
+
+def test_non_enumerable_discrete_site_gets_clear_error():
+    def model():
+        n = pyro.sample("n", dist.Poisson(3.0))
+        pyro.sample("x", dist.Normal(n, 1.0), obs=torch.tensor(2.0))
+
+    with pytest.raises(Exception, match="(?i)enumerat|discrete|support"):
+        from_model(model)

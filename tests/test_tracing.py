@@ -1,0 +1,121 @@
+import warnings
+
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import MCMC
+
+from pyro_hmc_plus import HMC, EngineFallbackWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
+from pyro_hmc_plus import tracing
+
+from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, gauss2d
+
+
+def _latent_branch(p):
+    x = p["x"]
+    if x.sum() > 0:  # Python control flow on a latent: one trace cannot represent it
+        return (x**2).sum()
+    return (2 * x**2).sum()
+
+
+def _latent_item(p):
+    return (p["x"] ** 2).sum() * (1 + 0 * p["x"].sum().item())
+
+
+def _latent_tolist(p):
+    scale = p["x"].detach().tolist()[0]
+    return (p["x"] ** 2).sum() + 0 * scale
+
+
+@pytest.mark.parametrize("fn", [_latent_branch, _latent_item, _latent_tolist])
+def test_latent_escapes_are_refused(fn):
+    flat = from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2])})
+    with pytest.raises(UntraceableModel):
+        tracing.trace(flat.value_and_grad, (flat.initial_z,))
+
+
+def test_untraceable_potential_falls_back_to_eager_with_one_warning():
+    flat = from_potential_fn(_latent_branch, {"x": torch.tensor([0.5, -0.2])})
+    with pytest.warns(EngineFallbackWarning, match="Python `if`"):
+        engine = GradientEngine(flat)
+    assert engine.name == "eager"
+    U, g = engine.value_and_grad(torch.tensor([-1.0, 0.5]))
+    assert torch.allclose(U, torch.tensor(2.5)) and torch.allclose(g, torch.tensor([-4.0, 2.0]))
+
+
+def test_data_only_branch_is_traced():
+    data = torch.tensor([1.0, 2.0])
+
+    def pot(p):
+        if data.sum() > 0:  # depends on data only: safe to trace
+            return ((p["x"] - data) ** 2).sum()
+        return (p["x"] ** 2).sum()
+
+    flat = from_potential_fn(pot, {"x": torch.zeros(2)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    U, g = engine.value_and_grad(torch.tensor([0.0, 0.0]))
+    assert torch.allclose(U, torch.tensor(5.0)) and torch.allclose(g, torch.tensor([-2.0, -4.0]))
+
+
+def test_constant_cholesky_is_folded_away():
+    engine = GradientEngine(from_model(gauss2d))
+    targets = {str(n.target) for n in engine._graph.graph.nodes}
+    assert not any("cholesky" in t for t in targets)
+
+
+@pytest.mark.parametrize(
+    "model,args",
+    [(gauss2d, ()), (eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)),
+     (dirichlet_categorical, (torch.tensor([3.0, 5.0, 2.0]),))],
+)
+def test_traced_gradient_matches_eager_at_random_points(model, args):
+    flat = from_model(model, args)
+    engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        z = torch.randn(flat.dim, generator=gen) * 2
+        U, g = engine.value_and_grad(z)
+        U_ref, g_ref = engine.eager_value_and_grad(z)
+        assert torch.allclose(U, U_ref, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+    # a batch of points goes through the same graph, vmapped
+    Z = torch.randn(4, flat.dim, generator=gen)
+    U, g = engine.value_and_grad(Z)
+    U_ref, g_ref = flat.batched_value_and_grad(Z)
+    assert U.shape == (4,) and torch.allclose(U, U_ref, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_enumerated_discrete_model_traces():
+    data = torch.tensor([-2.1, -1.9, 2.0, 2.2, 1.8])
+
+    @pyro.infer.config_enumerate
+    def mixture(data):
+        loc = pyro.sample("loc", dist.Normal(0.0, 5.0).expand([2]).to_event(1))
+        with pyro.plate("data", len(data)):
+            k = pyro.sample("k", dist.Categorical(torch.tensor([0.5, 0.5])))
+            pyro.sample("obs", dist.Normal(loc[k], 1.0), obs=data)
+
+    flat = from_model(mixture, (data,), max_plate_nesting=1)
+    engine = GradientEngine(flat)
+    z = torch.tensor([-1.0, 1.0])
+    U, g = engine.value_and_grad(z)
+    U_ref, g_ref = engine.eager_value_and_grad(z)
+    assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fallback_kernel_still_samples_correctly():
+    pyro.set_rng_seed(1)
+    kernel = HMC(potential_fn=_latent_branch, step_size=0.3, num_steps=5)
+    with pytest.warns(EngineFallbackWarning):
+        mcmc = MCMC(kernel, num_samples=300, warmup_steps=100, disable_progbar=True,
+                    initial_params={"x": torch.tensor([0.5, -0.2])})
+        mcmc.run()
+    assert kernel.engine_name == "eager"
+    x = mcmc.get_samples()["x"]
+    assert torch.isfinite(x).all() and x.std(0).min() > 0.2
