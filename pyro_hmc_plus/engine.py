@@ -95,10 +95,7 @@ class GradientEngine:
         """``(U, dU/dz)`` for ``z`` of shape ``(D,)`` or ``(..., D)``: the traced graph when
         there is one (this is what gets inlined into programs), else eager autograd."""
         if self._graph is None:
-            with pyro.validation_enabled(False):
-                if z.dim() == 1:
-                    return self.flat.value_and_grad(z)
-                return self.flat.batched_value_and_grad(z)
+            return self.eager_value_and_grad(z)
         if z.dim() == 1:
             return self._graph(z)
         batch, flat_z = z.shape[:-1], z.reshape(-1, z.shape[-1])
