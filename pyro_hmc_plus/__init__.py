@@ -1,18 +1,19 @@
 """pyro-hmc-plus: fast Hamiltonian Monte Carlo for Pyro.
 
-Swap ``from pyro.infer import HMC`` for ``from pyro_hmc_plus import HMC``: the kernel takes
+Swap ``from pyro.infer import NUTS`` (or ``HMC``) for ``from pyro_hmc_plus import NUTS``: the kernels take
 the same arguments and runs inside ``pyro.infer.MCMC``, but builds the gradient of the
 model's potential energy once (traced and compiled) instead of re-running the model under
 Pyro's tracing and autograd at every leapfrog step.
 """
 
 from .engine import ENGINES, EngineFallbackWarning, GradientEngine
-from .kernels import HMC
+from .kernels import HMC, NUTS
 from .potential import FlatPotential, SiteLayout, from_model, from_potential_fn
 from .tracing import UntraceableModel
 
 __all__ = [
     "HMC",
+    "NUTS",
     "ENGINES",
     "EngineFallbackWarning",
     "FlatPotential",

@@ -40,6 +40,32 @@ def leapfrog(
     ``value_and_grad(z) -> (U, dU/dz)`` must accept the batch shape of ``z``. A negative
     ``step_size`` integrates backwards in time (NUTS uses this).
     """
+    for state in _steps(value_and_grad, state, step_size, inverse_mass, num_steps):
+        pass
+    return state
+
+
+def leapfrog_trajectory(
+    value_and_grad: Callable,
+    state: IntegratorState,
+    step_size: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    num_steps: int,
+) -> IntegratorState:
+    """Every state of ``num_steps`` leapfrog steps (not the start), stacked on a new axis:
+    ``z, r, grad`` of shape ``(..., num_steps, D)`` and the energies ``(..., num_steps)``.
+    NUTS builds its trees from these leaves."""
+    leaves = list(_steps(value_and_grad, state, step_size, inverse_mass, num_steps))
+    return IntegratorState(
+        torch.stack([s.z for s in leaves], -2),
+        torch.stack([s.r for s in leaves], -2),
+        torch.stack([s.potential_energy for s in leaves], -1),
+        torch.stack([s.grad for s in leaves], -2),
+    )
+
+
+def _steps(value_and_grad, state, step_size, inverse_mass, num_steps):
+    """Yield the state after each of ``num_steps`` leapfrog steps."""
     z, r, U, g = state
     eps = step_size.unsqueeze(-1)
     half = 0.5 * eps
@@ -48,4 +74,4 @@ def leapfrog(
         z = z + eps * velocity(r, inverse_mass)
         U, g = value_and_grad(z)
         r = r - half * g
-    return IntegratorState(z, r, U, g)
+        yield IntegratorState(z, r, U, g)

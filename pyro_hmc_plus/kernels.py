@@ -16,14 +16,12 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
-from . import adaptation, potential
+from . import adaptation, nuts, potential
 from .engine import GradientEngine
 from .hmc import HMCInfo, HMCState, hmc_step
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
-# Sample statistics recorded for every draw (warmup too), with Stan/ArviZ names.
-STAT_NAMES = ("lp", "energy", "acceptance_rate", "diverging", "step_size", "n_steps")
 
 _VALIDATION_POINTS = 2  # random points (besides the initial one) each program is checked at
 
@@ -39,6 +37,25 @@ def _is_numerical_failure(e: Exception) -> bool:
     except ImportError:  # pragma: no cover - older/newer Pyro without the registry
         pass
     return isinstance(e, torch.linalg.LinAlgError)
+
+
+def _flatten(x, leaves: list):
+    """Append the tensors of ``x`` (a tensor or nested tuples/NamedTuples of them) to
+    ``leaves`` and return its structure, for :func:`_unflatten`. Hand-written because it runs
+    around every program call, where torch's general pytree utilities cost ~100 µs."""
+    if isinstance(x, tuple):
+        return type(x), [_flatten(y, leaves) for y in x]
+    leaves.append(x)
+    return None
+
+
+def _unflatten(structure, leaves):
+    """Rebuild what :func:`_flatten` took apart, from an iterator over its leaves."""
+    if structure is None:
+        return next(leaves)
+    kind, children = structure
+    values = [_unflatten(child, leaves) for child in children]
+    return tuple(values) if kind is tuple else kind(*values)
 
 
 def _args_key(args, kwargs):
@@ -84,6 +101,9 @@ class HMC(MCMCKernel):
     :param int max_unroll: most leapfrog steps fused into one compiled call; longer
         trajectories run as several calls.
     """
+
+    # Sample statistics recorded for every draw (warmup too), with Stan/ArviZ names.
+    stat_names = ("lp", "energy", "acceptance_rate", "diverging", "step_size", "n_steps")
 
     def __init__(
         self,
@@ -225,7 +245,7 @@ class HMC(MCMCKernel):
         U0, g0 = self._engine.eager_value_and_grad(z0)
         self._state = HMCState(z0, U0, g0)
         self._configure_adaptation()
-        self._chain_stats.append({name: [] for name in STAT_NAMES + ("warmup",)})
+        self._chain_stats.append({name: [] for name in self.stat_names + ("warmup",)})
 
     def _checked_initial_params(self, initial):
         if initial is None:
@@ -403,13 +423,34 @@ class HMC(MCMCKernel):
         return self._program(("transition", num_steps), transition, validation)
 
     def _program(self, key, fn, make_validation_inputs):
-        """The cached program ``key``; on first use, traced and checked at the inputs that
+        """The cached program ``key`` computing ``fn(value_and_grad, *args)``, where the
+        arguments and the result are (nested tuples of) tensors such as the core's state
+        records. On first use it is traced and checked at the argument tuples that
         ``make_validation_inputs()`` returns (the first also serves as the tracing example)."""
         program = self._programs.get(key)
         if program is None:
             before = self._engine.name
             inputs = make_validation_inputs()
-            program = self._engine.program(fn, inputs[0], inputs)
+            in_structure = _flatten(inputs[0], [])
+            out_structure = []
+
+            def flat_fn(value_and_grad, *leaves):
+                out_leaves = []
+                out_structure[:] = [_flatten(fn(value_and_grad, *_unflatten(in_structure, iter(leaves))), out_leaves)]
+                return tuple(out_leaves)
+
+            flat_inputs = []
+            for args in inputs:
+                flat_inputs.append([])
+                _flatten(args, flat_inputs[-1])
+            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs)
+
+            def program(*args):
+                leaves = []
+                _flatten(args, leaves)
+                out = compiled(*leaves)  # sets out_structure on an eager engine's first call
+                return _unflatten(out_structure[0], iter(out))
+
             if self._engine.name != before:  # fell back: earlier programs are for the old engine
                 self._programs = {}
             self._programs[key] = program
@@ -461,12 +502,11 @@ class HMC(MCMCKernel):
         false, true = torch.zeros_like(U, dtype=torch.bool), torch.ones_like(U, dtype=torch.bool)
         return (z, U, g, U, inf, torch.zeros_like(U), true, false)
 
-    def sample(self, params):
-        if self._state is None:
-            raise RuntimeError("call setup() before sample()")
+    def _transition(self, warmup: bool):
+        """One transition from ``self._state``: returns the new state, its statistics (a
+        dict over ``self.stat_names`` except ``step_size``), and whether it moved."""
         flat = self._flat
         n_steps = self.num_steps
-        warmup = self._t < self._warmup_steps
         log_u = torch.rand((), dtype=flat.dtype, device=flat.device).log()
         noise = self._noise()
         step_size_fixed = not (warmup and self.adapt_step_size)
@@ -479,29 +519,239 @@ class HMC(MCMCKernel):
                 if not _is_numerical_failure(e):
                     raise
                 out = self._failed_transition()
-            self._state, info = HMCState(*out[:3]), HMCInfo(*out[3:])
+            state, info = HMCState(*out[:3]), HMCInfo(*out[3:])
         else:
-            self._state, info = hmc_step(
+            state, info = hmc_step(
                 self._integrate, self._state, noise, log_u, self._step_size_tensor, self._metric
             )
         lp, energy, accept_prob, diverging, accepted = torch.stack(
             [-info.potential_energy, info.energy, info.acceptance_prob,
              info.diverging.to(flat.dtype), info.accepted.to(flat.dtype)]
         ).tolist()
-        stats = self._chain_stats[-1]
-        for name, value in zip(
-            STAT_NAMES + ("warmup",),
-            (lp, energy, accept_prob, bool(diverging), self._step_size, n_steps, warmup),
-        ):
-            stats[name].append(value)
+        stats = dict(lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging), n_steps=n_steps)
+        return state, stats, bool(accepted)
+
+    def sample(self, params):
+        if self._state is None:
+            raise RuntimeError("call setup() before sample()")
+        warmup = self._t < self._warmup_steps
+        step_size = self._step_size
+        self._state, stats, accepted = self._transition(warmup)
+        stats.update(step_size=step_size, warmup=warmup)
+        record = self._chain_stats[-1]
+        for name in record:
+            record[name].append(stats[name])
+        accept_prob = stats["acceptance_rate"]
         if warmup:
             self._adapt(self._t, accept_prob)
             n = self._t + 1
         else:
             n = self._t - self._warmup_steps + 1
             self._accept_cnt += int(accepted)
-            if diverging:
+            if stats["diverging"]:
                 self._divergences.append(self._t - self._warmup_steps)
         self._mean_accept_prob += (accept_prob - self._mean_accept_prob) / n
         self._t += 1
-        return flat.layout.unpack(self._state.z)
+        return self._flat.layout.unpack(self._state.z)
+
+
+class NUTS(HMC):
+    """The No-U-Turn Sampler (Stan's multinomial variant) on a compiled gradient.
+
+    A drop-in replacement for :class:`pyro.infer.NUTS`: every argument has Pyro's meaning.
+    The algorithm is in :mod:`pyro_hmc_plus.nuts`; each doubling of the trajectory is one
+    compiled call (leapfrog steps, U-turn checks and the multinomial draw fused).
+
+    :param bool use_multinomial_sampling: multinomial sampling of the draw among the
+        trajectory's states (Stan's NUTS, default); ``False`` uses slice sampling as the
+        original NUTS does.
+    :param int max_tree_depth: most doublings per transition (at most ``2**max_tree_depth - 1``
+        leapfrog steps).
+    :param int max_unroll: most leapfrog steps in one compiled call; deeper subtrees are
+        built in chunks of this many steps (rounded down to a power of two).
+
+    The other arguments are those of :class:`HMC` (without ``trajectory_length`` and
+    ``num_steps``, which NUTS chooses itself). Per-draw statistics (``sample_stats``)
+    add ``tree_depth`` and ``reached_max_treedepth`` to HMC's.
+    """
+
+    stat_names = HMC.stat_names + ("tree_depth", "reached_max_treedepth")
+
+    def __init__(
+        self,
+        model=None,
+        potential_fn=None,
+        step_size=1,
+        adapt_step_size=True,
+        adapt_mass_matrix=True,
+        full_mass=False,
+        use_multinomial_sampling=True,
+        transforms=None,
+        max_plate_nesting=None,
+        jit_compile=False,
+        jit_options=None,
+        ignore_jit_warnings=False,
+        target_accept_prob=0.8,
+        max_tree_depth=10,
+        init_strategy=init_to_uniform,
+        *,
+        min_stepsize: float = 1e-10,
+        max_stepsize: float = 1e10,
+        engine: str = "auto",
+        max_unroll: int = 16,
+    ):
+        if not (isinstance(max_tree_depth, numbers.Integral) and max_tree_depth >= 1):
+            raise ValueError(f"max_tree_depth must be a positive integer, got {max_tree_depth!r}")
+        super().__init__(
+            model,
+            potential_fn,
+            step_size,
+            adapt_step_size=adapt_step_size,
+            adapt_mass_matrix=adapt_mass_matrix,
+            full_mass=full_mass,
+            transforms=transforms,
+            max_plate_nesting=max_plate_nesting,
+            jit_compile=jit_compile,
+            jit_options=jit_options,
+            ignore_jit_warnings=ignore_jit_warnings,
+            target_accept_prob=target_accept_prob,
+            init_strategy=init_strategy,
+            min_stepsize=min_stepsize,
+            max_stepsize=max_stepsize,
+            engine=engine,
+            max_unroll=max_unroll,
+        )
+        self.use_multinomial_sampling = bool(use_multinomial_sampling)
+        self.max_tree_depth = int(max_tree_depth)
+        self._chunk_depth = self.max_unroll.bit_length() - 1  # chunks of 2**_chunk_depth leaves
+
+    # ------------------------------------------------------------------ programs
+    def _tree_validation_inputs(self):
+        """Validation arguments for the tree programs: a fresh one-state tree at each
+        validation point, with fixed uniforms."""
+        out = []
+        for z, r, U, g, eps, inv_mass in self._validation_inputs():
+            state = HMCState(z, U, g)
+            log_slice = torch.zeros_like(U)
+            rands = torch.tensor([0.7, 0.3, 0.4], dtype=z.dtype, device=z.device)
+            metric = Metric(inv_mass, self._metric.momentum_scale)
+            out.append((state, r, log_slice, rands, eps, metric, nuts.init_tree(state, r, log_slice, metric)))
+        return out
+
+    def _first_doubling_program(self):
+        """A transition's start (momentum, one-state tree) and its first doubling (1 leaf)."""
+
+        def first(value_and_grad, state, noise, log_slice, rands, step_size, metric):
+            tree = nuts.init_tree(state, noise, log_slice, metric)
+            return nuts.doubling(
+                value_and_grad, tree, rands, step_size, metric.inverse_mass, 1,
+                self.max_tree_depth, self.use_multinomial_sampling, keep_done=False,
+            )
+
+        return self._program(
+            ("nuts_first",), first, lambda: [args[:6] for args in self._tree_validation_inputs()]
+        )
+
+    def _doubling_program(self, depth: int):
+        """The doubling of a tree of ``2**depth`` states: one subtree of as many leaves."""
+
+        def double(value_and_grad, tree, rands, step_size, inverse_mass):
+            return nuts.doubling(
+                value_and_grad, tree, rands, step_size, inverse_mass, 1 << depth,
+                self.max_tree_depth, self.use_multinomial_sampling, keep_done=False,
+            )
+
+        return self._program(
+            ("nuts_doubling", depth),
+            double,
+            lambda: [(tree, rands, eps, metric.inverse_mass) for _, _, _, rands, eps, metric, tree in self._tree_validation_inputs()],
+        )
+
+    def _chunk_program(self):
+        """A subtree chunk of ``2**_chunk_depth`` leaves from a given start."""
+        num_leaves = 1 << self._chunk_depth
+
+        def chunk(value_and_grad, start, H0, log_slice, step_size, inverse_mass, u):
+            return nuts.build_subtree(
+                value_and_grad, start, H0, log_slice, step_size, inverse_mass, u, num_leaves,
+                self.use_multinomial_sampling,
+            )
+
+        def validation():
+            return [
+                (nuts.subtree_start(tree, nuts.is_forward(rands)), tree.H0, log_slice, eps, metric.inverse_mass, rands[1])
+                for _, _, log_slice, rands, eps, metric, tree in self._tree_validation_inputs()
+            ]
+
+        return self._program(("nuts_chunk", num_leaves), chunk, validation)
+
+    def _chunked_doubling(self, tree, depth, rands, step_size, inverse_mass):
+        """A doubling whose subtree is longer than ``max_unroll``: chunks merged in Stan's
+        recursion order, stopping after the first chunk or merge that turns or diverges."""
+        forward = nuts.is_forward(rands)
+        start = nuts.subtree_start(tree, forward)
+        signed = nuts.signed_step_size(step_size, forward)
+        chunk = self._chunk_program()
+
+        def uniform():
+            return torch.rand((), dtype=rands.dtype, device=rands.device)
+
+        pending = []  # valid subtrees of decreasing size, waiting for their right halves
+        for i in range(1 << (depth - self._chunk_depth)):
+            subtree = chunk(start, tree.H0, tree.log_slice, signed, inverse_mass, uniform())
+            k = i + 1
+            while k % 2 == 0:  # complete halves: merge as Stan's recursion does
+                subtree = nuts.merge_subtrees(pending.pop(), subtree, uniform(), inverse_mass)
+                k //= 2
+            if not subtree.valid.item():
+                break
+            pending.append(subtree)
+            start = subtree.last
+        else:
+            subtree = pending.pop()
+        while pending:  # stopped early: the invalid subtree takes its valid left neighbours' counts
+            subtree = nuts.merge_subtrees(pending.pop(), subtree, uniform(), inverse_mass)
+        return nuts.extend_tree(tree, subtree, forward, rands[2], inverse_mass, self.max_tree_depth, keep_done=False)
+
+    # ------------------------------------------------------------------ the transition
+    def _transition(self, warmup: bool):
+        flat = self._flat
+        noise = self._noise()
+        log_slice = torch.zeros((), dtype=flat.dtype, device=flat.device)
+        if not self.use_multinomial_sampling:
+            log_slice = torch.rand((), dtype=flat.dtype, device=flat.device).log()
+        step_size, inverse_mass = self._step_size_tensor, self._metric.inverse_mass
+        tree = None
+        # uniforms of every possible doubling: direction, draw inside the subtree, draw of the tree
+        uniforms = torch.rand(self.max_tree_depth, 3, dtype=flat.dtype, device=flat.device)
+        for depth, rands in enumerate(uniforms):
+            try:
+                if depth == 0:
+                    tree = self._first_doubling_program()(
+                        self._state, noise, log_slice, rands, step_size, self._metric
+                    )
+                elif (1 << depth) <= self.max_unroll:
+                    tree = self._doubling_program(depth)(tree, rands, step_size, inverse_mass)
+                else:
+                    tree = self._chunked_doubling(tree, depth, rands, step_size, inverse_mass)
+            except (RuntimeError, ValueError) as e:
+                if not _is_numerical_failure(e):
+                    raise
+                # the model failed numerically inside the new subtree: a divergence
+                if tree is None:
+                    tree = nuts.init_tree(self._state, noise, log_slice, self._metric)
+                one = torch.ones_like(tree.n_steps)
+                tree = tree._replace(n_steps=tree.n_steps + one, diverging=one.bool(), done=one.bool())
+            if tree.done.item():
+                break
+        info = nuts.info(tree)
+        lp, energy, accept_prob, diverging, accepted, tree_depth, n_steps = torch.stack(
+            [-info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(flat.dtype),
+             info.accepted.to(flat.dtype), info.tree_depth.to(flat.dtype), info.n_steps.to(flat.dtype)]
+        ).tolist()
+        stats = dict(
+            lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging),
+            n_steps=int(n_steps), tree_depth=int(tree_depth),
+            reached_max_treedepth=int(tree_depth) >= self.max_tree_depth,
+        )
+        return tree.proposal, stats, bool(accepted)

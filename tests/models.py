@@ -47,3 +47,28 @@ def eight_schools(y, sigma):
 
 EIGHT_SCHOOLS_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
 EIGHT_SCHOOLS_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+
+def eight_schools_centered(y, sigma):
+    """The centered parameterisation: a funnel on which HMC diverges."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("schools", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+
+def logistic_data(n=200, d=3, seed=1):
+    """A fixed simulated data set: x (n, d) standard normal, y ~ Bernoulli(sigmoid(x w + 0.5))."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    w = torch.linspace(-1.0, 1.5, d)
+    y = torch.bernoulli(torch.sigmoid(x @ w + 0.5), generator=g)
+    return x, y
+
+
+def logistic_regression(x, y):
+    w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 2.0).to_event(1))
+    b = pyro.sample("b", dist.Normal(0.0, 2.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)

@@ -1,0 +1,361 @@
+"""The No-U-Turn Sampler as pure functions over flat tensors: Stan's multinomial NUTS.
+
+A transition starts from ``(z, r)`` with fresh momentum and repeatedly doubles a trajectory
+of leapfrog steps, each time in a random direction (forward or backward in time), until the
+trajectory makes a U-turn, an energy error exceeds ``max_energy_error`` (a divergence), or
+``max_tree_depth`` doublings were made. The draw is chosen among the trajectory's states
+with probability proportional to ``exp(-H)``:
+
+* inside a new subtree, multinomially (each leaf in proportion to its weight);
+* between the old tree and a new subtree, by *biased progressive sampling*: the subtree's
+  proposal replaces the tree's with probability ``min(1, w_subtree / w_tree)``, which favours
+  states far from the start (Betancourt 2017, appendix A.3.2).
+
+The U-turn criterion is Stan's generalised one, ``p_sharp(-) . rho > 0`` and
+``p_sharp(+) . rho > 0`` with ``rho`` the sum of momenta and ``p_sharp = M^{-1} p``, checked on
+every subtree when its two halves are merged, and -- Stan's extra checks -- across the
+halves: on the first half plus the first state of the second, and on the second half plus
+the last state of the first. A subtree that turns or diverges is discarded.
+
+How this is arranged for speed: a subtree of ``2^j`` leaves is one fused program -- the
+``2^j`` leapfrog steps (gradient inlined), then all of its U-turn checks at once, vectorised
+over the sub-subtrees of each size, the energy errors, the multinomial choice and the merge
+into the tree -- so a transition costs one program call and one host read (is it done?) per
+doubling, not per leaf. The result is exactly Stan's: where Stan stops building a subtree at
+its first failure, we integrate the subtree to its end and count only the steps up to the
+first failure (``n_steps``, the acceptance statistic). Long subtrees are built in chunks of
+``2^c`` leaves (:func:`build_subtree`) combined by :func:`merge_subtrees`, in Stan's
+recursion order, so that a failure stops the work after at most one chunk.
+
+``use_multinomial_sampling=False`` (Pyro's option) gives slice sampling: a leaf's weight is 1
+inside the slice ``{H - H0 <= -log u}`` and 0 outside; the same code runs with log weights
+``0``/``-inf``.
+
+Every function is batch-shaped: leading dimensions are chains, and chains that are already
+done (``Tree.done``) are left unchanged by :func:`extend_tree`, so lock-step batches of chains
+use the same code as one chain.
+
+References: Hoffman & Gelman, "The No-U-Turn Sampler" (2014); Betancourt, "A Conceptual
+Introduction to Hamiltonian Monte Carlo" (2017); Stan's ``base_nuts.hpp``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from .hmc import MAX_ENERGY_ERROR, HMCState
+from .integrator import IntegratorState, leapfrog_trajectory
+from .metric import Metric, is_dense, kinetic_energy, momentum, velocity
+
+
+class Tree(NamedTuple):
+    """The trajectory of one NUTS transition so far. Batch shape ``(...)``."""
+
+    ends: IntegratorState  # z, r, grad (..., 2, D); U (..., 2). Index 0: backward end, 1: forward end
+    rho: torch.Tensor  # (..., D) sum of the momenta of all states
+    log_weight: torch.Tensor  # (...) log of the sum of the states' weights
+    proposal: HMCState  # the draw so far
+    proposal_energy: torch.Tensor  # (...) H at the draw (Stan's energy__)
+    H0: torch.Tensor  # (...) H at the start
+    log_slice: torch.Tensor  # (...) 0 (multinomial) or log u of the slice variable
+    depth: torch.Tensor  # (...) int64: successful doublings
+    n_steps: torch.Tensor  # (...) int64: leapfrog steps counted as Stan does
+    sum_accept: torch.Tensor  # (...) sum of min(1, exp(H0 - H)) over those steps
+    diverging: torch.Tensor  # (...) bool
+    accepted: torch.Tensor  # (...) bool: the draw differs from the start
+    done: torch.Tensor  # (...) bool
+
+
+class Subtree(NamedTuple):
+    """A new subtree, in the order it was built. Batch shape ``(...)``."""
+
+    last: IntegratorState  # the last state built (where the next chunk starts)
+    p_first: torch.Tensor  # (..., D) momentum of the first state built
+    p_last: torch.Tensor  # (..., D) momentum of the last state built
+    rho: torch.Tensor  # (..., D)
+    log_weight: torch.Tensor  # (...)
+    proposal: HMCState
+    proposal_energy: torch.Tensor  # (...)
+    n_steps: torch.Tensor  # (...) int64
+    sum_accept: torch.Tensor  # (...)
+    diverging: torch.Tensor  # (...) bool
+    valid: torch.Tensor  # (...) bool: neither turned nor diverged (its proposal may be used)
+
+
+class NUTSInfo(NamedTuple):
+    """Per-transition statistics, batch shape ``(...)``."""
+
+    potential_energy: torch.Tensor  # U at the draw (lp = -U)
+    energy: torch.Tensor  # H at the draw
+    acceptance_prob: torch.Tensor  # mean of min(1, exp(H0 - H)) over the leapfrog steps (Stan)
+    diverging: torch.Tensor  # bool
+    accepted: torch.Tensor  # bool
+    tree_depth: torch.Tensor  # int64
+    n_steps: torch.Tensor  # int64
+
+
+def _joins_without_u_turn(v_a0, v_a1, p_a1, rho_a, v_b0, v_b1, p_b0, rho_b):
+    """Stan's no-U-turn criterion on the join of two adjacent pieces of trajectory, ``a``
+    then ``b`` in build order (index 0: the first state built, 1: the last; ``v = M^{-1} p``,
+    ``rho`` a piece's sum of momenta): both ends still move apart along ``rho``, checked on
+    the whole (``rho_a + rho_b``) and, Stan's extra checks, across the join (``rho_a + p_b0``
+    and ``rho_b + p_a1``). Vector arguments are ``(..., D)``; the three checks run as one
+    batched dot product (the traced program's cost is per operation, not per flop)."""
+    whole, across_a, across_b = rho_a + rho_b, rho_a + p_b0, rho_b + p_a1
+    rho = torch.stack([whole, whole, across_a, across_a, across_b, across_b], -2)  # (..., 6, D)
+    v_ends = torch.stack([v_a0, v_b1, v_a0, v_b0, v_a1, v_b1], -2)  # each check's two ends
+    return ((v_ends * rho).sum(-1) > 0).all(-1)
+
+
+def _select(mask: torch.Tensor, a, b):
+    """``a`` where ``mask`` else ``b``, field by field through nested records; ``mask`` has
+    the batch shape."""
+    if isinstance(a, tuple):
+        return type(a)(*(_select(mask, x, y) for x, y in zip(a, b)))
+    return torch.where(mask.reshape(mask.shape + (1,) * (a.dim() - mask.dim())), a, b)
+
+
+def init_tree(state: HMCState, noise: torch.Tensor, log_slice: torch.Tensor, metric: Metric) -> Tree:
+    """The one-state tree at the start of a transition, momentum ``r = scale (x) noise``."""
+    z, U, g = state
+    r = momentum(noise, metric.momentum_scale)
+    H0 = U + kinetic_energy(r, metric.inverse_mass)
+    def zero(dtype=None):
+        return torch.zeros_like(U, dtype=dtype)  # a new tensor for each field
+    ends = IntegratorState(
+        torch.stack([z, z], -2), torch.stack([r, r], -2), torch.stack([U, U], -1), torch.stack([g, g], -2)
+    )
+    return Tree(
+        ends, r, zero(), state, H0, H0, log_slice, zero(torch.int64), zero(torch.int64),
+        zero(), zero(torch.bool), zero(torch.bool), zero(torch.bool),
+    )
+
+
+def is_forward(rands: torch.Tensor) -> torch.Tensor:
+    """The doubling's direction from its uniforms ``rands (..., 3)``."""
+    return rands[..., 0] < 0.5
+
+
+def subtree_start(tree: Tree, forward: torch.Tensor) -> IntegratorState:
+    """The end of ``tree`` a subtree in direction ``forward`` grows from."""
+    fwd = forward.unsqueeze(-1)
+    return IntegratorState(
+        torch.where(fwd, tree.ends.z[..., 1, :], tree.ends.z[..., 0, :]),
+        torch.where(fwd, tree.ends.r[..., 1, :], tree.ends.r[..., 0, :]),
+        torch.where(forward, tree.ends.potential_energy[..., 1], tree.ends.potential_energy[..., 0]),
+        torch.where(fwd, tree.ends.grad[..., 1, :], tree.ends.grad[..., 0, :]),
+    )
+
+
+def signed_step_size(step_size: torch.Tensor, forward: torch.Tensor) -> torch.Tensor:
+    return torch.where(forward, step_size, -step_size)
+
+
+def _subtree_blocks(num_leaves: int, device, dtype):
+    """Leaf indices ``(first, mid, last)`` of every block of 2, 4, ..., ``num_leaves``
+    aligned leaves, where ``mid`` is the first leaf of the block's second half, and the
+    ``(num_blocks, num_leaves)`` 0/1 matrix mapping each block to its last leaf."""
+    first, mid, last = [], [], []
+    size = 2
+    while size <= num_leaves:
+        for start in range(0, num_leaves, size):
+            first.append(start)
+            mid.append(start + size // 2)
+            last.append(start + size - 1)
+        size *= 2
+    ends_at = [[float(leaf == end) for leaf in range(num_leaves)] for end in last]
+    return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (first, mid, last)) + (
+        torch.tensor(ends_at, dtype=dtype, device=device).reshape(len(last), num_leaves),
+    )
+
+
+def build_subtree(
+    value_and_grad: Callable,
+    start: IntegratorState,
+    H0: torch.Tensor,
+    log_slice: torch.Tensor,
+    step_size: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    u: torch.Tensor,
+    num_leaves: int,
+    multinomial: bool = True,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+) -> Subtree:
+    """The subtree of ``num_leaves`` (a power of two) leapfrog steps of signed ``step_size``
+    from ``start``, with all its U-turn checks, and a multinomial draw among its leaves
+    (from the uniform ``u``). Shapes: batch ``(...)`` for ``H0, log_slice, step_size, u``."""
+    leaves = leapfrog_trajectory(value_and_grad, start, step_size, inverse_mass, num_leaves)
+    batch, L = start.z.shape[:-1], num_leaves
+    inv = inverse_mass.unsqueeze(-3 if is_dense(inverse_mass, start.r) else -2)
+    r = leaves.r
+    v = velocity(r, inv)
+    H = leaves.potential_energy + kinetic_energy(r, inv)
+    delta = H0.unsqueeze(-1) - H  # log weight, multinomial
+    delta = torch.where(torch.isnan(delta), torch.full_like(delta, -float("inf")), delta)
+    excess = log_slice.unsqueeze(-1) - delta  # Pyro's "sliced energy"
+    divergent = excess > max_energy_error
+    log_w = delta if multinomial else torch.where(excess <= 0, torch.zeros_like(delta), torch.full_like(delta, -float("inf")))
+    # U-turn checks of every complete sub-subtree (s = 2, 4, ..., L leaves), all at once:
+    # block i covers leaves first[i]..last[i], its halves split at mid[i]; a failure is
+    # charged to the block's last leaf (where Stan's recursion would check it)
+    first, mid, last, ends_at = _subtree_blocks(L, r.device, r.dtype)
+    if len(first):
+        cumulative = torch.nn.functional.pad(r.cumsum(-2), (0, 0, 1, 0))  # (..., L + 1, D)
+        def at(x, i):
+            return x.index_select(-2, i)
+        rho_first_half = at(cumulative, mid) - at(cumulative, first)
+        rho_second_half = at(cumulative, last + 1) - at(cumulative, mid)
+        ok = _joins_without_u_turn(
+            at(v, first), at(v, mid - 1), at(r, mid - 1), rho_first_half,
+            at(v, mid), at(v, last), at(r, mid), rho_second_half,
+        )  # (..., num_blocks)
+        turned_at = (~ok).to(r.dtype) @ ends_at  # (..., L): turned blocks ending at each leaf
+        fail = divergent | (turned_at > 0)
+    else:
+        fail = divergent
+    failures_before = fail.cumsum(-1) - fail.to(torch.int64)
+    counted = failures_before == 0  # Stan stops at the first failure, that step included
+    accept = torch.exp(delta.clamp(max=0.0))
+    log_weight = torch.logsumexp(log_w, -1)
+    cdf = torch.exp(log_w - log_weight.unsqueeze(-1)).cumsum(-1)
+    idx = (cdf < u.unsqueeze(-1)).sum(-1).clamp(max=L - 1)
+    D = start.z.shape[-1]
+    packed = torch.cat([leaves.z, leaves.grad, leaves.potential_energy.unsqueeze(-1), H.unsqueeze(-1)], -1)
+    chosen = packed.gather(-2, idx.reshape(batch + (1, 1)).expand(batch + (1, 2 * D + 2))).squeeze(-2)
+    z, g, U, H_chosen = chosen.split([D, D, 1, 1], -1)
+    proposal = HMCState(z, U.squeeze(-1), g)
+    return Subtree(
+        last=IntegratorState(leaves.z[..., -1, :], r[..., -1, :], leaves.potential_energy[..., -1], leaves.grad[..., -1, :]),
+        p_first=r[..., 0, :],
+        p_last=r[..., -1, :],
+        rho=r.sum(-2),
+        log_weight=log_weight,
+        proposal=proposal,
+        proposal_energy=H_chosen.squeeze(-1),
+        n_steps=counted.sum(-1),
+        sum_accept=(accept * counted).sum(-1),
+        diverging=(divergent & counted).any(-1),
+        valid=~fail.any(-1),
+    )
+
+
+def _velocities(momenta: torch.Tensor, inverse_mass: torch.Tensor) -> torch.Tensor:
+    """``M^{-1} p`` for a stack of momenta ``(..., k, D)`` under one metric per chain."""
+    dense = inverse_mass.dim() > momenta.dim() - 1
+    return velocity(momenta, inverse_mass.unsqueeze(-3 if dense else -2))
+
+
+def merge_subtrees(first: Subtree, second: Subtree, u: torch.Tensor, inverse_mass: torch.Tensor) -> Subtree:
+    """Stan's merge of the two halves of a subtree (``second`` built after ``first``): the
+    proposal is taken from ``second`` with probability ``w_second / (w_first + w_second)``.
+    If ``first`` is already invalid, ``second`` was never built as far as Stan is concerned:
+    the result is ``first``'s counts, invalid."""
+    log_weight = torch.logaddexp(first.log_weight, second.log_weight)
+    take = u < torch.exp(second.log_weight - log_weight)
+    p = torch.stack([first.p_first, first.p_last, second.p_first, second.p_last], -2)
+    v_a0, v_a1, v_b0, v_b1 = _velocities(p, inverse_mass).unbind(-2)
+    ok = _joins_without_u_turn(v_a0, v_a1, first.p_last, first.rho, v_b0, v_b1, second.p_first, second.rho)
+    counted = first.valid
+    zero = torch.zeros_like(second.sum_accept)
+    return Subtree(
+        last=second.last,
+        p_first=first.p_first,
+        p_last=second.p_last,
+        rho=first.rho + second.rho,
+        log_weight=log_weight,
+        proposal=_select(take, second.proposal, first.proposal),
+        proposal_energy=torch.where(take, second.proposal_energy, first.proposal_energy),
+        n_steps=first.n_steps + torch.where(counted, second.n_steps, torch.zeros_like(second.n_steps)),
+        sum_accept=first.sum_accept + torch.where(counted, second.sum_accept, zero),
+        diverging=first.diverging | (counted & second.diverging),
+        valid=first.valid & second.valid & ok,
+    )
+
+
+def extend_tree(
+    tree: Tree,
+    subtree: Subtree,
+    forward: torch.Tensor,
+    u: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    max_tree_depth: int,
+    keep_done: bool = True,
+) -> Tree:
+    """Merge a new subtree, built from the end ``forward`` of ``tree``, into it: biased
+    progressive sampling of the proposal (uniform ``u``), Stan's U-turn checks across the
+    join, and the stopping rule. With ``keep_done``, chains whose tree was already done are
+    returned unchanged (lock-step batches); a single chain that stops calling once done can
+    skip that."""
+    valid = subtree.valid
+    take = valid & (u < torch.exp(subtree.log_weight - tree.log_weight))
+    fwd = forward.unsqueeze(-1)
+    backward_end, forward_end = tree.ends.r.unbind(-2)
+    near = torch.where(fwd, forward_end, backward_end)
+    far = torch.where(fwd, backward_end, forward_end)
+    p = torch.stack([far, near, subtree.p_first, subtree.p_last], -2)
+    v_a0, v_a1, v_b0, v_b1 = _velocities(p, inverse_mass).unbind(-2)
+    ok = _joins_without_u_turn(v_a0, v_a1, near, tree.rho, v_b0, v_b1, subtree.p_first, subtree.rho)
+    is_near = torch.stack([~forward, forward], -1)  # (..., 2)
+    ends = IntegratorState(
+        torch.where(is_near.unsqueeze(-1), subtree.last.z.unsqueeze(-2), tree.ends.z),
+        torch.where(is_near.unsqueeze(-1), subtree.last.r.unsqueeze(-2), tree.ends.r),
+        torch.where(is_near, subtree.last.potential_energy.unsqueeze(-1), tree.ends.potential_energy),
+        torch.where(is_near.unsqueeze(-1), subtree.last.grad.unsqueeze(-2), tree.ends.grad),
+    )
+    depth = tree.depth + valid.to(torch.int64)
+    turning = valid & ~ok
+    extended = Tree(
+        ends=ends,
+        rho=tree.rho + subtree.rho,
+        log_weight=torch.where(valid, torch.logaddexp(tree.log_weight, subtree.log_weight), tree.log_weight),
+        proposal=_select(take, subtree.proposal, tree.proposal),
+        proposal_energy=torch.where(take, subtree.proposal_energy, tree.proposal_energy),
+        H0=tree.H0,
+        log_slice=tree.log_slice,
+        depth=depth,
+        n_steps=tree.n_steps + subtree.n_steps,
+        sum_accept=tree.sum_accept + subtree.sum_accept,
+        diverging=subtree.diverging,
+        accepted=tree.accepted | take,
+        done=~valid | turning | (depth >= max_tree_depth),
+    )
+    return _select(tree.done, tree, extended) if keep_done else extended
+
+
+def doubling(
+    value_and_grad: Callable,
+    tree: Tree,
+    rands: torch.Tensor,
+    step_size: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    num_leaves: int,
+    max_tree_depth: int,
+    multinomial: bool = True,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+    keep_done: bool = True,
+) -> Tree:
+    """One doubling of ``num_leaves`` new states as a single subtree, with the uniforms
+    ``rands (..., 3)``: direction, multinomial draw inside the subtree, and progressive
+    sampling of the tree (``keep_done``: see :func:`extend_tree`)."""
+    forward = is_forward(rands)
+    subtree = build_subtree(
+        value_and_grad, subtree_start(tree, forward), tree.H0, tree.log_slice,
+        signed_step_size(step_size, forward), inverse_mass, rands[..., 1], num_leaves,
+        multinomial, max_energy_error,
+    )
+    return extend_tree(tree, subtree, forward, rands[..., 2], inverse_mass, max_tree_depth, keep_done)
+
+
+def info(tree: Tree) -> NUTSInfo:
+    """The statistics of a finished transition."""
+    return NUTSInfo(
+        potential_energy=tree.proposal.potential_energy,
+        energy=tree.proposal_energy,
+        acceptance_prob=tree.sum_accept / tree.n_steps.clamp(min=1),
+        diverging=tree.diverging,
+        accepted=tree.accepted,
+        tree_depth=tree.depth,
+        n_steps=tree.n_steps,
+    )

@@ -1,0 +1,355 @@
+"""Tests of pyro_hmc_plus.NUTS: the tree against a direct transcription of Stan's recursive
+algorithm, the batch form of the core, and statistics against exact posteriors and long runs
+of Pyro's own NUTS (tests/reference/). Tolerances are multiples of Monte Carlo standard
+errors from ArviZ; seeds are fixed, so each test is deterministic.
+"""
+
+import json
+import math
+import pathlib
+import pickle
+
+import arviz as az
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+from pyro.infer import MCMC
+
+from pyro_hmc_plus import NUTS, nuts
+from pyro_hmc_plus.hmc import HMCState
+from pyro_hmc_plus.metric import make_metric
+
+from helpers import Z, assert_mean, assert_variance
+from models import (
+    EIGHT_SCHOOLS_SIGMA,
+    EIGHT_SCHOOLS_Y,
+    PRECISION,
+    dirichlet_categorical,
+    eight_schools,
+    eight_schools_centered,
+    gamma_poisson,
+    gauss2d,
+    logistic_data,
+    logistic_regression,
+    normal_normal,
+    normal_normal_posterior,
+)
+
+
+
+def reference(model_name):
+    """Posterior summaries from long runs of Pyro's NUTS (tests/reference/make_reference.py)."""
+    path = pathlib.Path(__file__).parent / "reference" / "pyro_nuts.json"
+    return json.loads(path.read_text())[model_name]
+
+
+def run(kernel, num_samples=1000, warmup_steps=500, *args, **kw):
+    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, disable_progbar=True, **kw)
+    mcmc.run(*args)
+    return mcmc
+
+
+# ---------------------------------------------------------------------------- the tree
+
+COV = torch.tensor([[1.0, 0.9, 0.0], [0.9, 1.0, 0.3], [0.0, 0.3, 4.0]], dtype=torch.float64)
+PREC = torch.linalg.inv(COV)
+
+
+def gaussian_potential(params):
+    x = params["x"]
+    return 0.5 * x @ PREC @ x
+
+
+def stan_tree(z0, r0, step_size, inv_mass, forward_flags, max_depth):
+    """Stan's base_nuts transition, transcribed directly (recursive build_tree), tracking
+    only what does not depend on the random proposal choices: (depth, n_leapfrog, divergent)."""
+
+    def grad(z):
+        return PREC @ z
+
+    def H(z, r):
+        return 0.5 * z @ PREC @ z + 0.5 * r @ (inv_mass * r)
+
+    def criterion(p_minus, p_plus, rho):
+        return float((inv_mass * p_plus) @ rho) > 0 and float((inv_mass * p_minus) @ rho) > 0
+
+    H0 = H(z0, r0)
+    counts = {"n": 0, "divergent": False}
+
+    def build(depth, z, r, eps):
+        """-> valid, (z, r) last state, rho, p_begin, p_end"""
+        if depth == 0:
+            r = r - 0.5 * eps * grad(z)
+            z = z + eps * inv_mass * r
+            r = r - 0.5 * eps * grad(z)
+            counts["n"] += 1
+            h = H(z, r)
+            if not math.isfinite(h) or h - H0 > 1000:
+                counts["divergent"] = True
+                return False, (z, r), r, r, r
+            return True, (z, r), r, r, r
+        ok, (z, r), rho1, p_begin, p_init_end = build(depth - 1, z, r, eps)
+        if not ok:
+            return False, (z, r), None, None, None
+        ok, (z, r), rho2, p_final_begin, p_end = build(depth - 1, z, r, eps)
+        if not ok:
+            return False, (z, r), None, None, None
+        persist = (
+            criterion(p_begin, p_end, rho1 + rho2)
+            and criterion(p_begin, p_final_begin, rho1 + p_final_begin)
+            and criterion(p_init_end, p_end, rho2 + p_init_end)
+        )
+        return persist, (z, r), rho1 + rho2, p_begin, p_end
+
+    ends = {True: (z0, r0), False: (z0, r0)}
+    rho, depth = r0.clone(), 0
+    for forward in forward_flags[:max_depth]:
+        eps = step_size if forward else -step_size
+        ok, end, rho_sub, p_first, p_last = build(depth, *ends[forward], eps)
+        if not ok:
+            break
+        depth += 1
+        near, far = ends[forward][1], ends[not forward][1]
+        ends[forward] = end
+        persist = (
+            criterion(far, p_last, rho + rho_sub)
+            and criterion(far, p_first, rho + p_first)
+            and criterion(near, p_last, rho_sub + near)
+        )
+        rho = rho + rho_sub
+        if not persist:
+            break
+    return depth, counts["n"], counts["divergent"]
+
+
+@pytest.mark.parametrize("max_unroll", [16, 2])
+@pytest.mark.parametrize("step_size", [0.05, 0.3, 1.2, 3.0])
+def test_tree_matches_stan_recursion(step_size, max_unroll):
+    """Depth, leapfrog count and divergence of every transition equal those of Stan's
+    recursive algorithm from the same point, momentum and directions; ``max_unroll=2``
+    exercises the chunked subtrees (and their merges) of the deeper doublings."""
+    max_depth = 7
+    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    kernel = NUTS(
+        potential_fn=gaussian_potential, step_size=step_size, adapt_step_size=False,
+        adapt_mass_matrix=False, max_tree_depth=max_depth, max_unroll=max_unroll,
+    )
+    kernel.initial_params = {"x": torch.tensor([0.5, -0.3, 1.0], dtype=torch.float64)}
+    kernel.setup(0)
+    kernel._metric = make_metric(inv_mass, dense=False)
+    compared = set()
+    for seed in range(12):
+        z0 = kernel._state.z
+        torch.manual_seed(seed)
+        r0 = kernel._metric.momentum_scale * torch.randn(3, dtype=torch.float64)
+        forward = (torch.rand(max_depth, 3, dtype=torch.float64)[:, 0] < 0.5).tolist()
+        expected = stan_tree(z0, r0, step_size, inv_mass, forward, max_depth)
+        torch.manual_seed(seed)
+        state, stats, _ = kernel._transition(warmup=False)
+        assert (stats["tree_depth"], stats["n_steps"], stats["diverging"]) == expected
+        compared.add(expected)
+        kernel._state = state
+    if step_size <= 0.3:
+        assert len({depth for depth, _, _ in compared}) > 1  # several depths were exercised
+    if step_size == 3.0:
+        assert any(divergent for _, _, divergent in compared)
+
+
+def test_batch_of_chains_equals_one_chain_at_a_time():
+    """The core is batch-shaped: 5 chains in lock-step (done chains frozen) give exactly
+    the trees each chain gives alone."""
+    C, D, max_depth = 5, 3, 6
+    torch.manual_seed(0)
+    prec = PREC.float()
+
+    def value_and_grad(z):
+        return 0.5 * ((z @ prec) * z).sum(-1), z @ prec
+
+    z = torch.randn(C, D)
+    U, g = value_and_grad(z)
+    noise = torch.randn(C, D)
+    rands = torch.rand(max_depth, C, 3)
+    step_size = torch.tensor([0.1, 0.3, 0.5, 0.8, 1.5])
+    metric = make_metric(torch.rand(C, D) + 0.5, dense=False)
+    log_slice = torch.zeros(C)
+
+    def transition(idx):
+        sl = (lambda x: x[idx]) if idx is not None else (lambda x: x)
+        tree = nuts.init_tree(HMCState(sl(z), sl(U), sl(g)), sl(noise), sl(log_slice), nuts.Metric(*map(sl, metric)))
+        for depth in range(max_depth):
+            tree = nuts.doubling(
+                value_and_grad, tree, sl(rands[depth]) if idx is not None else rands[depth], sl(step_size),
+                sl(metric.inverse_mass), 1 << depth, max_depth,
+            )
+        return nuts.info(tree), tree.proposal.z
+
+    batch_info, batch_z = transition(None)
+    for c in range(C):
+        info, zc = transition(c)
+        for a, b in zip(info, batch_info):
+            torch.testing.assert_close(a, b[c])
+        torch.testing.assert_close(zc, batch_z[c])
+    assert len(set(batch_info.tree_depth.tolist())) > 1  # the chains really did stop at different depths
+
+
+def test_tree_depth_limit_is_respected():
+    kernel = NUTS(gauss2d, step_size=0.01, adapt_step_size=False, adapt_mass_matrix=False, max_tree_depth=3)
+    run(kernel, 50, 0)
+    stats = kernel.sample_stats[0]
+    assert max(stats["tree_depth"]) == 3 and max(stats["n_steps"]) == 7
+    assert [d == 3 for d in stats["tree_depth"]] == stats["reached_max_treedepth"]
+    assert sum(stats["reached_max_treedepth"]) > 40  # tiny steps: almost every tree hits the limit
+
+
+# ---------------------------------------------------------------------------- statistics
+
+
+def test_one_dimensional_draws_follow_the_density():
+    """Detailed balance, checked on the histogram: the fraction of draws in each of 8 bins of
+    a standard normal matches the bin's probability (indicator means, MCSE tolerance)."""
+
+    def model():
+        pyro.sample("x", dist.Normal(0.0, 1.0))
+
+    kernel = NUTS(model, step_size=0.9, adapt_step_size=False, adapt_mass_matrix=False)
+    x = run(kernel, 6000, 0).get_samples()["x"].numpy()
+    edges = np.array([-np.inf, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, np.inf])
+    cdf = torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(edges[1:-1])).numpy()
+    probs = np.diff(np.concatenate([[0.0], cdf, [1.0]]))
+    indicators = (x[:, None] >= edges[None, :-1]) & (x[:, None] < edges[None, 1:])
+    assert_mean(indicators.astype(float), probs)
+
+
+def test_correlated_gaussian():
+    """The classic question's target: correlation 0.95, with the adapted diagonal metric."""
+    kernel = NUTS(gauss2d)
+    q = run(kernel, 2000, 500).get_samples()["q"].numpy()
+    cov = torch.linalg.inv(PRECISION).numpy()
+    assert_mean(q, [0.0, 0.0])
+    assert_variance(q, np.diag(cov))
+    assert_mean(q[:, 0] * q[:, 1], cov[0, 1])
+    assert kernel.engine_name == "trace"
+
+
+def test_badly_scaled_gaussian_with_dense_mass():
+    scales = torch.tensor([0.01, 1.0, 100.0])
+    L = torch.tensor([[1.0, 0.0, 0.0], [0.8, 0.6, 0.0], [0.3, -0.5, 0.81]])
+    cov = scales[:, None] * (L @ L.T) * scales[None, :]
+
+    def model():
+        pyro.sample("x", dist.MultivariateNormal(torch.zeros(3), covariance_matrix=cov))
+
+    kernel = NUTS(model, full_mass=True)
+    x = run(kernel, 1500, 600).get_samples()["x"].numpy()
+    assert_mean(x / scales.numpy(), 0.0)
+    assert_variance(x / scales.numpy(), np.diag(L @ L.T))
+    ratio = kernel.inverse_mass_matrix.diagonal() / cov.diagonal()
+    assert ratio.min() > 0.5 and ratio.max() < 2.0
+
+
+def test_conjugate_normal_normal_and_slice_variant():
+    x = torch.randn(20) + 3.0
+    mean, var = normal_normal_posterior(x)
+    for multinomial in (True, False):
+        mu = run(NUTS(normal_normal, use_multinomial_sampling=multinomial), 1500, 300, x).get_samples()["mu"].numpy()
+        assert_mean(mu, mean)
+        assert_variance(mu, var)
+
+
+def test_constrained_sites():
+    y = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
+    a, b = 2.0 + y.sum(), 1.0 + len(y)
+    rate = run(NUTS(gamma_poisson), 1000, 300, y).get_samples()["rate"].numpy()
+    assert (rate > 0).all()
+    assert_mean(rate, a / b)
+    assert_variance(rate, a / b**2)
+
+    counts = torch.tensor([5.0, 2.0, 9.0])
+    p = run(NUTS(dirichlet_categorical), 800, 300, counts).get_samples()["p"].numpy()
+    alpha = (1 + counts).numpy()
+    assert np.allclose(p.sum(-1), 1.0, atol=1e-5)
+    assert_mean(p, alpha / alpha.sum())
+
+
+def assert_matches_reference(samples, reference):
+    """Means agree with Pyro's long NUTS run within Z combined MCSEs."""
+    for name, ref in reference.items():
+        site, _, index = name.partition("[")
+        draws = samples[site].reshape(len(samples[site]), -1).numpy()
+        x = draws[:, int(index[:-1])] if index else draws[:, 0]
+        mcse = float(az.mcse(x[None, :]))
+        bound = Z * math.hypot(mcse, ref["mcse_mean"])
+        assert abs(x.mean() - ref["mean"]) <= bound, f"{name}: {x.mean():.3f} vs Pyro {ref['mean']:.3f} (±{bound:.3f})"
+
+
+def test_eight_schools_noncentered_matches_pyro():
+    mcmc = run(NUTS(eight_schools), 2000, 1000, EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    assert_matches_reference(mcmc.get_samples(), reference("eight_schools_noncentered"))
+
+
+def test_logistic_regression_matches_pyro():
+    mcmc = run(NUTS(logistic_regression), 1000, 500, *logistic_data())
+    assert_matches_reference(mcmc.get_samples(), reference("logistic_regression"))
+
+
+def test_centered_eight_schools_reports_divergences():
+    kernel = NUTS(eight_schools_centered)
+    mcmc = run(kernel, 500, 300, EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    divergences = mcmc.diagnostics()["divergences"]["chain 0"]
+    assert len(divergences) > 0
+    stats = kernel.sample_stats[0]
+    flagged = [i - 300 for i, d in enumerate(stats["diverging"]) if d and i >= 300]
+    assert flagged == divergences
+
+
+# ---------------------------------------------------------------------------- the Pyro protocol
+
+
+POISSON_COUNTS = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
+
+
+def gamma_poisson_potential(params):
+    """-log p(log rate | y) for the gamma_poisson model, over the unconstrained log rate."""
+    log_rate = params["rate"]
+    rate = log_rate.exp()
+    lp = dist.Gamma(2.0, 1.0).log_prob(rate) + dist.Poisson(rate).log_prob(POISSON_COUNTS).sum() + log_rate
+    return -lp
+
+
+def test_potential_fn_with_transforms_initial_params_and_pickle():
+    """Pyro's potential_fn interface: a positive site, with `transforms` mapping it to the
+    unconstrained space (as in Pyro, samples come back constrained)."""
+    y = POISSON_COUNTS
+    kernel = NUTS(potential_fn=gamma_poisson_potential, transforms={"rate": dist.transforms.ExpTransform().inv})
+    kernel = pickle.loads(pickle.dumps(kernel))
+    mcmc = run(kernel, 1500, 300, initial_params={"rate": torch.tensor(0.0)})
+    rate = mcmc.get_samples()["rate"].numpy()
+    a, b = 2.0 + y.sum(), 1.0 + len(y)
+    assert (rate > 0).all()
+    assert_mean(rate, float(a / b))
+    pickle.dumps(kernel)  # still picklable after a run
+
+
+def test_sample_stats_diagnostics_and_arviz():
+    kernel = NUTS(gauss2d)
+    mcmc = run(kernel, 200, 100)
+    stats = kernel.sample_stats[0]
+    assert set(stats) == set(NUTS.stat_names) | {"warmup"}
+    assert len(stats["lp"]) == 300 and sum(stats["warmup"]) == 100
+    for n, depth in zip(stats["n_steps"], stats["tree_depth"]):
+        assert 2**depth - 1 <= n <= 2 ** (depth + 1) - 1
+    assert all(0.0 <= a <= 1.0 for a in stats["acceptance_rate"])
+    diagnostics = mcmc.diagnostics()
+    assert "divergences" in diagnostics and "acceptance rate" in diagnostics
+    idata = az.from_pyro(mcmc)
+    assert idata.posterior["q"].shape == (1, 200, 2)
+    mcmc.summary()
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="max_tree_depth"):
+        NUTS(gauss2d, max_tree_depth=0)
+    with pytest.raises(ValueError, match="exactly one"):
+        NUTS()
