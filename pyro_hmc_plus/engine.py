@@ -130,9 +130,9 @@ class GradientEngine:
 
         if self.name == "eager":
             return eager
+        # distinct copies: make_fx would merge two inputs that are the same tensor object
+        examples = tuple(x.clone() for x in example_inputs)
         try:
-            # distinct copies: make_fx would merge two inputs that are the same tensor object
-            examples = tuple(x.clone() for x in example_inputs)
             gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples)
         except tracing.UntraceableModel as e:
             self._fall_back(f"{e}")

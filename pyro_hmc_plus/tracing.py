@@ -78,6 +78,21 @@ class LatentTaint(TorchFunctionMode):
         return out
 
 
+def _shared_fake_mode():
+    """One fake-tensor mode for the shape metadata of every node of a trace. Without it,
+    real-tensor ``make_fx`` builds a new mode (and captures a Python stack) per node, which is
+    most of its cost on graphs of hundreds of ops. Private API: on any problem, a no-op."""
+    try:
+        from torch._guards import TracingContext, tracing
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        return tracing(TracingContext(FakeTensorMode(allow_non_fake_inputs=True)))
+    except Exception:  # pragma: no cover - torch internals moved
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
 def trace(fn, example_inputs) -> torch.fx.GraphModule:
     """Trace ``fn(*example_inputs)`` (all tensors) into a folded FX graph of aten ops.
 
@@ -92,7 +107,8 @@ def trace(fn, example_inputs) -> torch.fx.GraphModule:
             return fn(*inputs)
 
     try:
-        gm = make_fx(tainted_fn, _error_on_data_dependent_ops=False)(*example_inputs)
+        with _shared_fake_mode():
+            gm = make_fx(tainted_fn, _error_on_data_dependent_ops=False)(*example_inputs)
     except UntraceableModel:
         raise
     except Exception as e:  # make_fx failures come in many types; all mean "not traceable"

@@ -1,0 +1,203 @@
+"""NUTS side by side: ESS per second and ESS per gradient, Pyro's NUTS vs ours, in one run.
+
+Models: the classic question's 2-D Gaussian, eight schools (non-centered), a logistic
+regression (N=5,000, D=25) and a hierarchical linear model with 100 latent dimensions
+(``hierarchical``: 96 group intercepts, a slope, and three scales/means).
+
+Each contender runs one chain in a fresh Python process with one thread (so tracing and
+compiling are counted: a *cold* start; ``--warm`` runs a discarded warm-up run in the same
+process first, which measures a warm start), ``--warmup`` + ``--samples`` iterations, and
+the contenders alternate within each repetition so that load changes on a shared machine hit
+them alike. Reported, median over ``--reps``:
+
+* ESS/s: the minimum bulk ESS (ArviZ) over all scalar latent parameters, divided by the
+  wall time of the whole run (setup, compile and warmup included);
+* ESS/grad: the same ESS divided by all leapfrog steps of the run (warmup included).
+  Pyro's steps are counted as model executions (one per gradient; not available with
+  ``jit_compile``, which runs the model once).
+
+    python benchmarks/nuts.py --reps 3
+    python benchmarks/nuts.py --models eight_schools --contenders pyro ours --reps 5
+
+NumPyro is not a contender yet (it is not installed on the machine these figures come from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical")
+CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_inductor")
+
+
+def make_problem(name: str):
+    """``(model, args)`` for a Pyro model; data are fixed by a seeded generator."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    calls = {"n": 0}
+
+    if name == "gauss2d":
+        precision = torch.tensor([[10.25, -9.74], [-9.74, 10.25]])
+
+        def model():
+            calls["n"] += 1
+            pyro.sample("q", dist.MultivariateNormal(torch.zeros(2), precision_matrix=precision))
+
+        return model, (), calls
+    if name == "eight_schools":
+        y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
+        sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
+
+        def model(y, sigma):
+            calls["n"] += 1
+            mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+            tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+            with pyro.plate("schools", len(y)):
+                theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+                pyro.sample("y", dist.Normal(mu + tau * theta_raw, sigma), obs=y)
+
+        return model, (y, sigma), calls
+    if name == "logistic":
+        n, d = 5000, 25
+        x = torch.randn(n, d, generator=g)
+        w = torch.randn(d, generator=g) * 0.5
+        y = torch.bernoulli(torch.sigmoid(x @ w), generator=g)
+
+        def model(x, y):
+            calls["n"] += 1
+            w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+            b = pyro.sample("b", dist.Normal(0.0, 1.0))
+            with pyro.plate("data", len(y)):
+                pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
+
+        return model, (x, y), calls
+    if name == "hierarchical":  # radon-like: 96 groups, 10 observations each
+        groups, per_group = 96, 10
+        group = torch.arange(groups).repeat_interleave(per_group)
+        x = torch.randn(groups * per_group, generator=g)
+        a = 1.0 + 0.7 * torch.randn(groups, generator=g)
+        y = a[group] - 0.6 * x + 0.8 * torch.randn(groups * per_group, generator=g)
+
+        def model(x, group, y):
+            calls["n"] += 1
+            mu_a = pyro.sample("mu_a", dist.Normal(0.0, 5.0))
+            sigma_a = pyro.sample("sigma_a", dist.HalfNormal(2.0))
+            beta = pyro.sample("beta", dist.Normal(0.0, 5.0))
+            sigma_y = pyro.sample("sigma_y", dist.HalfNormal(2.0))
+            with pyro.plate("groups", groups):
+                a_raw = pyro.sample("a_raw", dist.Normal(0.0, 1.0))
+            a = mu_a + sigma_a * a_raw
+            with pyro.plate("data", len(y)):
+                pyro.sample("y", dist.Normal(a[group] + beta * x, sigma_y), obs=y)
+
+        return model, (x, group, y), calls
+    raise ValueError(name)
+
+
+def min_bulk_ess(samples: dict) -> float:
+    import arviz as az
+    import numpy as np
+
+    worst = float("inf")
+    for v in samples.values():
+        draws = v.reshape(v.shape[0], -1).numpy().astype(np.float64)
+        for j in range(draws.shape[1]):
+            worst = min(worst, float(az.ess(draws[None, :, j], method="bulk")))
+    return worst
+
+
+def run_one(model_name: str, contender: str, warmup: int, samples: int, warm: bool) -> dict:
+    """Runs in the child process."""
+    import pyro
+    import torch
+    from pyro.infer import MCMC
+
+    torch.set_num_threads(1)
+    model, args, calls = make_problem(model_name)
+
+    def once(seed):
+        pyro.set_rng_seed(seed)
+        calls["n"] = 0
+        start = time.perf_counter()
+        if contender.startswith("pyro"):
+            from pyro.infer import NUTS
+
+            kernel = NUTS(model, jit_compile=contender == "pyro_jit", ignore_jit_warnings=True)
+        else:
+            from pyro_hmc_plus import NUTS
+
+            kernel = NUTS(model, engine="inductor" if contender == "ours_inductor" else "auto")
+        mcmc = MCMC(kernel, num_samples=samples, warmup_steps=warmup, disable_progbar=True)
+        mcmc.run(*args)
+        wall = time.perf_counter() - start
+        if contender.startswith("ours"):
+            gradients = sum(kernel.sample_stats[-1]["n_steps"])
+        else:
+            gradients = calls["n"] if contender == "pyro" else float("nan")
+        return mcmc, wall, gradients
+
+    if warm:
+        once(1)
+    mcmc, wall, gradients = once(0)
+    ess = min_bulk_ess(mcmc.get_samples())
+    return {"wall_s": wall, "ess": ess, "gradients": gradients}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--contenders", nargs="*", default=["pyro", "pyro_jit", "ours"], choices=CONTENDERS)
+    parser.add_argument("--warmup", type=int, default=500)
+    parser.add_argument("--samples", type=int, default=500)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warm", action="store_true", help="time a second run in the same process")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(run_one(*args.child, args.warmup, args.samples, args.warm)))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    print(
+        f"NUTS, 1 chain, {args.warmup} warmup + {args.samples} draws, "
+        f"{'warm' if args.warm else 'cold'} start, median of {args.reps} fresh processes"
+    )
+    print(f"{'model':<14} {'contender':<14} {'wall s':>8} {'min ESS':>8} {'ESS/s':>8} {'ESS/grad':>9} {'ESS/s vs Pyro':>14}")
+    for model_name in args.models:
+        results = {c: [] for c in args.contenders}
+        for _ in range(args.reps):
+            for contender in args.contenders:
+                cmd = [sys.executable, __file__, "--child", model_name, contender,
+                       "--warmup", str(args.warmup), "--samples", str(args.samples)]
+                if args.warm:
+                    cmd.append("--warm")
+                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if out.returncode != 0:
+                    print(f"{model_name} {contender} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                    continue
+                results[contender].append(json.loads(out.stdout.strip().splitlines()[-1]))
+
+        def median(runs, f):
+            return statistics.median(f(r) for r in runs) if runs else float("nan")
+
+        base = median(results.get("pyro", []), lambda r: r["ess"] / r["wall_s"])
+        for contender, runs in results.items():
+            ess_per_s = median(runs, lambda r: r["ess"] / r["wall_s"])
+            print(
+                f"{model_name:<14} {contender:<14} {median(runs, lambda r: r['wall_s']):>8.1f} "
+                f"{median(runs, lambda r: r['ess']):>8.0f} {ess_per_s:>8.1f} "
+                f"{median(runs, lambda r: r['ess'] / r['gradients']):>9.4f} {ess_per_s / base:>14.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
