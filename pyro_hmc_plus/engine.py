@@ -133,7 +133,9 @@ class GradientEngine:
         # distinct copies: make_fx would merge two inputs that are the same tensor object
         examples = tuple(x.clone() for x in example_inputs)
         try:
-            gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples)
+            # the gradient graph was checked for latent escapes when it was traced; the
+            # core's functions around it are branch-free tensor code
+            gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False)
         except tracing.UntraceableModel as e:
             self._fall_back(f"{e}")
             return eager

@@ -560,15 +560,17 @@ class NUTS(HMC):
 
     A drop-in replacement for :class:`pyro.infer.NUTS`: every argument has Pyro's meaning.
     The algorithm is in :mod:`pyro_hmc_plus.nuts`; each doubling of the trajectory is one
-    compiled call (leapfrog steps, U-turn checks and the multinomial draw fused).
+    compiled call (leapfrog steps, U-turn checks and the multinomial draw fused) and one
+    host read of "done?".
 
     :param bool use_multinomial_sampling: multinomial sampling of the draw among the
         trajectory's states (Stan's NUTS, default); ``False`` uses slice sampling as the
         original NUTS does.
     :param int max_tree_depth: most doublings per transition (at most ``2**max_tree_depth - 1``
         leapfrog steps).
-    :param int max_unroll: most leapfrog steps in one compiled call; deeper subtrees are
-        built in chunks of this many steps (rounded down to a power of two).
+    :param int max_unroll: most leapfrog steps in one compiled call (rounded down to a power
+        of two): doublings that add fewer states are one call each; longer subtrees are built
+        in chunks of this many steps.
 
     The other arguments are those of :class:`HMC` (without ``trajectory_length`` and
     ``num_steps``, which NUTS chooses itself). Per-draw statistics (``sample_stats``)
@@ -653,7 +655,8 @@ class NUTS(HMC):
         )
 
     def _doubling_program(self, depth: int):
-        """The doubling of a tree of ``2**depth`` states: one subtree of as many leaves."""
+        """The doubling of a tree of ``2**depth`` states, fewer than ``max_unroll``: one
+        subtree of as many leaves, merged into the tree, in one call."""
 
         def double(value_and_grad, tree, rands, step_size, inverse_mass):
             return nuts.doubling(
@@ -685,23 +688,56 @@ class NUTS(HMC):
 
         return self._program(("nuts_chunk", num_leaves), chunk, validation)
 
-    def _chunked_doubling(self, tree, depth, rands, step_size, inverse_mass):
-        """A doubling whose subtree is longer than ``max_unroll``: chunks merged in Stan's
-        recursion order, stopping after the first chunk or merge that turns or diverges."""
-        forward = nuts.is_forward(rands)
-        start = nuts.subtree_start(tree, forward)
-        signed = nuts.signed_step_size(step_size, forward)
-        chunk = self._chunk_program()
+    def _one_step_energy_change(self, step_size: float) -> float:
+        """As :meth:`HMC._one_step_energy_change` (for the step-size search), from the first
+        doubling's program run forward: its new forward end is one leapfrog step away, so no
+        separate program is built."""
+        flat = self._flat
+        eps = torch.tensor(step_size, dtype=flat.dtype, device=flat.device)
+        forward = torch.tensor([0.0, 0.5, 0.5], dtype=flat.dtype, device=flat.device)
+        log_slice = torch.zeros((), dtype=flat.dtype, device=flat.device)
+        try:
+            tree = self._first_doubling_program()(self._state, self._noise(), log_slice, forward, eps, self._metric)
+        except (RuntimeError, ValueError) as e:
+            if not _is_numerical_failure(e):
+                raise
+            return math.inf
+        end_U, end_r = tree.ends.potential_energy[1], tree.ends.r[1]
+        delta = (end_U + kinetic_energy(end_r, self._metric.inverse_mass) - tree.H0).item()
+        return delta if math.isfinite(delta) else math.inf
 
-        def uniform():
-            return torch.rand((), dtype=rands.dtype, device=rands.device)
+    def _tensor_program(self, key, fn, *args):
+        """``fn(*args)`` for tensor code that does not involve the model (merging trees),
+        run as a compiled program built on first use, with these arguments as its example."""
+        return self._program(key, lambda _value_and_grad, *xs: fn(*xs), lambda: [args])(*args)
+
+    def _chunked_doubling(self, tree, depth, rands, step_size, inverse_mass):
+        """A doubling of at least ``2**_chunk_depth`` new states: chunks of that many, merged
+        in Stan's recursion order, stopping after the first chunk or merge that turns or
+        diverges."""
+
+        def start_of(tree, rands, step_size):
+            forward = nuts.is_forward(rands)
+            return nuts.subtree_start(tree, forward), nuts.signed_step_size(step_size, forward)
+
+        def extend(tree, subtree, rands, inverse_mass):
+            return nuts.extend_tree(
+                tree, subtree, nuts.is_forward(rands), rands[2], inverse_mass, self.max_tree_depth, keep_done=False
+            )
+
+        start, signed = self._tensor_program(("nuts_start",), start_of, tree, rands, step_size)
+        chunk = self._chunk_program()
+        uniforms = iter(torch.rand(2 << (depth - self._chunk_depth), dtype=rands.dtype, device=rands.device))
+
+        def merge(first, second):
+            return self._tensor_program(("nuts_merge",), nuts.merge_subtrees, first, second, next(uniforms), inverse_mass)
 
         pending = []  # valid subtrees of decreasing size, waiting for their right halves
         for i in range(1 << (depth - self._chunk_depth)):
-            subtree = chunk(start, tree.H0, tree.log_slice, signed, inverse_mass, uniform())
+            subtree = chunk(start, tree.H0, tree.log_slice, signed, inverse_mass, next(uniforms))
             k = i + 1
             while k % 2 == 0:  # complete halves: merge as Stan's recursion does
-                subtree = nuts.merge_subtrees(pending.pop(), subtree, uniform(), inverse_mass)
+                subtree = merge(pending.pop(), subtree)
                 k //= 2
             if not subtree.valid.item():
                 break
@@ -710,8 +746,8 @@ class NUTS(HMC):
         else:
             subtree = pending.pop()
         while pending:  # stopped early: the invalid subtree takes its valid left neighbours' counts
-            subtree = nuts.merge_subtrees(pending.pop(), subtree, uniform(), inverse_mass)
-        return nuts.extend_tree(tree, subtree, forward, rands[2], inverse_mass, self.max_tree_depth, keep_done=False)
+            subtree = merge(pending.pop(), subtree)
+        return self._tensor_program(("nuts_extend",), extend, tree, subtree, rands, inverse_mass)
 
     # ------------------------------------------------------------------ the transition
     def _transition(self, warmup: bool):
@@ -730,7 +766,7 @@ class NUTS(HMC):
                     tree = self._first_doubling_program()(
                         self._state, noise, log_slice, rands, step_size, self._metric
                     )
-                elif (1 << depth) <= self.max_unroll:
+                elif depth < self._chunk_depth:
                     tree = self._doubling_program(depth)(tree, rands, step_size, inverse_mass)
                 else:
                     tree = self._chunked_doubling(tree, depth, rands, step_size, inverse_mass)

@@ -93,11 +93,13 @@ def _shared_fake_mode():
         return contextlib.nullcontext()
 
 
-def trace(fn, example_inputs) -> torch.fx.GraphModule:
+def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModule:
     """Trace ``fn(*example_inputs)`` (all tensors) into a folded FX graph of aten ops.
 
     Raises :class:`UntraceableModel` if ``fn`` lets a value derived from its inputs escape
-    into Python, or if ``make_fx`` itself cannot follow it.
+    into Python, or if ``make_fx`` itself cannot follow it. ``check_escapes=False`` skips
+    the escape check (it costs as much as the trace itself) for functions known to be pure
+    tensor code, such as the sampler's own functions around an already checked gradient.
     """
 
     def tainted_fn(*inputs):
@@ -108,7 +110,7 @@ def trace(fn, example_inputs) -> torch.fx.GraphModule:
 
     try:
         with _shared_fake_mode():
-            gm = make_fx(tainted_fn, _error_on_data_dependent_ops=False)(*example_inputs)
+            gm = make_fx(tainted_fn if check_escapes else fn, _error_on_data_dependent_ops=False)(*example_inputs)
     except UntraceableModel:
         raise
     except Exception as e:  # make_fx failures come in many types; all mean "not traceable"
