@@ -5,14 +5,17 @@ regression (N=5,000, D=25) and a hierarchical linear model with 100 latent dimen
 (``hierarchical``: 96 group intercepts, a slope, and three scales/means).
 
 Each contender runs one chain in a fresh Python process with one thread (so tracing and
-compiling are counted: a *cold* start; ``--warm`` runs a discarded warm-up run in the same
-process first, which measures a warm start), ``--warmup`` + ``--samples`` iterations, and
-the contenders alternate within each repetition so that load changes on a shared machine hit
-them alike. Reported, median over ``--reps``:
+compiling are counted), ``--warmup`` + ``--samples`` iterations, and the contenders alternate
+within each repetition so that load changes on a shared machine hit them alike. *Cold* is
+the default: clear ``$PYRO_HMC_PLUS_CACHE`` (default ``~/.cache/pyro_hmc_plus``) first for an
+empty compile cache. ``--warm`` first runs every contender once, untimed, which fills the
+on-disk caches (our ``"aot"`` engine's compiled programs; Pyro keeps none), and then times
+fresh processes. Reported, median over ``--reps``:
 
 * ESS/s: the minimum bulk ESS (ArviZ) over all scalar latent parameters, divided by the
   wall time of the whole run (setup, compile and warmup included);
 * ESS/grad: the same ESS divided by all leapfrog steps of the run (warmup included).
+  Repetition ``k`` uses seed ``k`` for every contender, so ESS medians are over seeds too.
   Pyro's steps are counted as model executions (one per gradient; not available with
   ``jit_compile``, which runs the model once).
 
@@ -33,7 +36,7 @@ import sys
 import time
 
 MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical")
-CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_inductor")
+CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor")
 
 
 def make_problem(name: str):
@@ -115,7 +118,7 @@ def min_bulk_ess(samples: dict) -> float:
     return worst
 
 
-def run_one(model_name: str, contender: str, warmup: int, samples: int, warm: bool) -> dict:
+def run_one(model_name: str, contender: str, warmup: int, samples: int, seed: int) -> dict:
     """Runs in the child process."""
     import pyro
     import torch
@@ -135,7 +138,8 @@ def run_one(model_name: str, contender: str, warmup: int, samples: int, warm: bo
         else:
             from pyro_hmc_plus import NUTS
 
-            kernel = NUTS(model, engine="inductor" if contender == "ours_inductor" else "auto")
+            engine = {"ours_aot": "aot", "ours_inductor": "inductor"}.get(contender, "auto")
+            kernel = NUTS(model, engine=engine)
         mcmc = MCMC(kernel, num_samples=samples, warmup_steps=warmup, disable_progbar=True)
         mcmc.run(*args)
         wall = time.perf_counter() - start
@@ -145,9 +149,7 @@ def run_one(model_name: str, contender: str, warmup: int, samples: int, warm: bo
             gradients = calls["n"] if contender == "pyro" else float("nan")
         return mcmc, wall, gradients
 
-    if warm:
-        once(1)
-    mcmc, wall, gradients = once(0)
+    mcmc, wall, gradients = once(seed)
     ess = min_bulk_ess(mcmc.get_samples())
     return {"wall_s": wall, "ess": ess, "gradients": gradients}
 
@@ -159,11 +161,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--warm", action="store_true", help="time a second run in the same process")
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--warm", action="store_true", help="one untimed run per contender first (fills on-disk caches)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run_one(*args.child, args.warmup, args.samples, args.warm)))
+        model_name, contender, seed = args.child
+        print(json.dumps(run_one(model_name, contender, args.warmup, args.samples, int(seed))))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(
@@ -173,17 +176,16 @@ def main():
     print(f"{'model':<14} {'contender':<14} {'wall s':>8} {'min ESS':>8} {'ESS/s':>8} {'ESS/grad':>9} {'ESS/s vs Pyro':>14}")
     for model_name in args.models:
         results = {c: [] for c in args.contenders}
-        for _ in range(args.reps):
+        for rep in range(-1 if args.warm else 0, args.reps):  # seed = rep: every contender sees the same seeds
             for contender in args.contenders:
-                cmd = [sys.executable, __file__, "--child", model_name, contender,
+                cmd = [sys.executable, __file__, "--child", model_name, contender, str(rep),
                        "--warmup", str(args.warmup), "--samples", str(args.samples)]
-                if args.warm:
-                    cmd.append("--warm")
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
                     print(f"{model_name} {contender} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                     continue
-                results[contender].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                if rep >= 0:  # rep -1: the untimed run of --warm
+                    results[contender].append(json.loads(out.stdout.strip().splitlines()[-1]))
 
         def median(runs, f):
             return statistics.median(f(r) for r in runs) if runs else float("nan")

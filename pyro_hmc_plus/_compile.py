@@ -8,10 +8,19 @@ so a torch upgrade that breaks them is caught).
   ``torch.compile``'s front end (guards, frame evaluation: 14-37 us per call on CPU, more
   than a small model's whole gradient). If that private function is missing, the public
   ``torch.compile(fullgraph=True, dynamic=False)``.
+- :func:`aot_compile` / :func:`aot_load`: AOTInductor (``torch.export`` +
+  ``torch._inductor.aoti_compile_and_package``) into an on-disk cache keyed by the graph,
+  so that a later process loads the compiled program in milliseconds instead of compiling
+  it again (tens of seconds on a small CPU). ``torch.compile``'s own caches do not serve
+  graphs handed to inductor directly ("no shape env"), hence our own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import pathlib
+import tempfile
 import warnings
 
 import torch
@@ -36,3 +45,84 @@ def inductor(gm: torch.fx.GraphModule, example_inputs):
         fn = compile_fx(gm, list(example_inputs), options=options)
         return lambda *xs: fn(*xs)
     return torch.compile(gm, fullgraph=True, dynamic=False)
+
+
+def aot_cache_dir() -> pathlib.Path:
+    """Where compiled programs are kept: ``$PYRO_HMC_PLUS_CACHE`` or
+    ``~/.cache/pyro_hmc_plus``, one folder per torch version."""
+    root = os.environ.get("PYRO_HMC_PLUS_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "pyro_hmc_plus")
+    return pathlib.Path(root) / f"aot-torch-{torch.__version__}"
+
+
+def digest(*parts: str) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+def graph_key(gm: torch.fx.GraphModule, example_inputs) -> str:
+    """A digest of everything a traced graph computes: its code, the values of its constants
+    (the model's data is baked in as constants), and the inputs' shapes and dtypes."""
+    h = hashlib.sha256(gm.code.encode())
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            h.update(node.target.encode())
+            if torch.is_tensor(value):
+                h.update(f"{value.dtype}{tuple(value.shape)}".encode())
+                t = value.detach().cpu()
+                h.update((t.float() if t.dtype == torch.bfloat16 else t).numpy().tobytes())
+            else:
+                h.update(repr(value).encode())
+    for x in example_inputs:
+        h.update(f"{x.dtype}{tuple(x.shape)}{x.device.type}".encode())
+    return h.hexdigest()[:32]
+
+
+_SOURCE_DIGEST = []
+
+
+def source_digest() -> str:
+    """A digest of this package's source: a cached program is stale when the code changes."""
+    if not _SOURCE_DIGEST:
+        folder = pathlib.Path(__file__).parent
+        _SOURCE_DIGEST.append(digest(*(p.read_text() for p in sorted(folder.glob("*.py")))))
+    return _SOURCE_DIGEST[0]
+
+
+def _as_tuple(runner):
+    return lambda *xs: tuple(runner(*xs))
+
+
+def aot_load(key: str):
+    """The cached compiled program ``key``, or ``None``."""
+    path = aot_cache_dir() / f"{key}.pt2"
+    if not path.exists():
+        return None
+    from torch._inductor import aoti_load_package
+
+    return _as_tuple(aoti_load_package(str(path)))
+
+
+def aot_compile(gm: torch.fx.GraphModule, example_inputs, key: str):
+    """Compile ``gm`` with AOTInductor into the cache (atomically) and load it."""
+    from torch._inductor import aoti_compile_and_package
+
+    for node in gm.graph.nodes:
+        node.meta = {}  # as in :func:`inductor`
+    exported = torch.export.export(gm, tuple(example_inputs), strict=False)
+    folder = aot_cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=folder)
+    os.close(fd)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            aoti_compile_and_package(exported, package_path=tmp)
+        os.replace(tmp, folder / f"{key}.pt2")
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return aot_load(key)

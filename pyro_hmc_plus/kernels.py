@@ -96,7 +96,7 @@ class HMC(MCMCKernel):
     :param init_strategy: Pyro init strategy (default ``init_to_uniform``).
     :param float min_stepsize: lower bound of the step size during adaptation.
     :param float max_stepsize: upper bound of the step size during adaptation.
-    :param str engine: ``"auto"``, ``"trace"``, ``"inductor"`` or ``"eager"`` (see
+    :param str engine: ``"auto"``, ``"trace"``, ``"aot"``, ``"inductor"`` or ``"eager"`` (see
         :mod:`pyro_hmc_plus.engine`).
     :param int max_unroll: most leapfrog steps fused into one compiled call; longer
         trajectories run as several calls.
@@ -443,7 +443,8 @@ class HMC(MCMCKernel):
             for args in inputs:
                 flat_inputs.append([])
                 _flatten(args, flat_inputs[-1])
-            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs)
+            cache_key = (type(self).__name__, key, self._program_settings())
+            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs, cache_key=cache_key)
 
             def program(*args):
                 leaves = []
@@ -455,6 +456,11 @@ class HMC(MCMCKernel):
                 self._programs = {}
             self._programs[key] = program
         return program
+
+    def _program_settings(self) -> tuple:
+        """The kernel settings that programs depend on beyond their key and input shapes
+        (part of their on-disk cache key)."""
+        return ()
 
     def _block_inputs(self, z=None, generator=None):
         z = self._state.z if z is None else z
@@ -628,6 +634,9 @@ class NUTS(HMC):
         self._chunk_depth = self.max_unroll.bit_length() - 1  # chunks of 2**_chunk_depth leaves
 
     # ------------------------------------------------------------------ programs
+    def _program_settings(self) -> tuple:
+        return (self.max_tree_depth, self.use_multinomial_sampling)
+
     def _tree_validation_inputs(self):
         """Validation arguments for the tree programs: a fresh one-state tree at each
         validation point, with fixed uniforms."""
