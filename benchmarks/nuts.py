@@ -178,7 +178,7 @@ def main():
         results = {c: [] for c in args.contenders}
         for rep in range(-1 if args.warm else 0, args.reps):  # seed = rep: every contender sees the same seeds
             for contender in args.contenders:
-                cmd = [sys.executable, __file__, "--child", model_name, contender, str(rep),
+                cmd = [sys.executable, __file__, "--child", model_name, contender, str(rep % 1000),
                        "--warmup", str(args.warmup), "--samples", str(args.samples)]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:

@@ -18,6 +18,7 @@ so a torch upgrade that breaks them is caught).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pathlib
 import tempfile
@@ -117,12 +118,16 @@ def aot_compile(gm: torch.fx.GraphModule, example_inputs, key: str):
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".pt2", dir=folder)
     os.close(fd)
+    inductor_log = logging.getLogger("torch._inductor")
+    level = inductor_log.level
     try:
+        inductor_log.setLevel(logging.ERROR)  # e.g. "missing a c-shim implementation": harmless
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             aoti_compile_and_package(exported, package_path=tmp)
         os.replace(tmp, folder / f"{key}.pt2")
     finally:
+        inductor_log.setLevel(level)
         if os.path.exists(tmp):
             os.remove(tmp)
     return aot_load(key)

@@ -245,6 +245,9 @@ class HMC(MCMCKernel):
         U0, g0 = self._engine.eager_value_and_grad(z0)
         self._state = HMCState(z0, U0, g0)
         self._configure_adaptation()
+        if self._engine.name == "aot":
+            with torch.random.fork_rng(devices=[]):  # building programs must not shift the user's stream
+                self._build_programs()
         self._chain_stats.append({name: [] for name in self.stat_names + ("warmup",)})
 
     def _checked_initial_params(self, initial):
@@ -457,6 +460,11 @@ class HMC(MCMCKernel):
             self._programs[key] = program
         return program
 
+    def _build_programs(self):
+        """Build every program a run may need now (used with the ``"aot"`` engine, so that
+        no compilation happens mid-run and a later process finds them all in the cache).
+        HMC's programs depend on the adapted number of steps, so they are built on use."""
+
     def _program_settings(self) -> tuple:
         """The kernel settings that programs depend on beyond their key and input shapes
         (part of their on-disk cache key)."""
@@ -636,6 +644,14 @@ class NUTS(HMC):
     # ------------------------------------------------------------------ programs
     def _program_settings(self) -> tuple:
         return (self.max_tree_depth, self.use_multinomial_sampling)
+
+    def _build_programs(self):
+        self._first_doubling_program()
+        for depth in range(1, min(self._chunk_depth, self.max_tree_depth)):
+            self._doubling_program(depth)
+        if self.max_tree_depth > self._chunk_depth:  # the chunk, and the merge/extend programs
+            _, _, _, rands, eps, metric, tree = self._tree_validation_inputs()[0]
+            self._chunked_doubling(tree, self._chunk_depth + 1, rands, eps, metric.inverse_mass)
 
     def _tree_validation_inputs(self):
         """Validation arguments for the tree programs: a fresh one-state tree at each
