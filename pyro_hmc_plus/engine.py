@@ -88,6 +88,7 @@ class GradientEngine:
         self.name = engine if engine in ("eager", "inductor", "aot") else "trace"
         self.use_aot_cache = engine in ("auto", "aot")
         self.cached_programs = 0  # programs loaded from the on-disk cache
+        self.rejected_compiled_programs = 0  # compiled programs that failed validation
         self._gradient_key = None
         self.fallback_reason = None
         self._graph = None
@@ -150,19 +151,35 @@ class GradientEngine:
         # distinct copies: make_fx would merge two inputs that are the same tensor object
         examples = tuple(x.clone() for x in example_inputs)
         key = self._aot_key(cache_key, examples) if self.use_aot_cache and cache_key is not None else None
-        compiled = self._load_cached(key) if key is not None else None
-        if compiled is None:
-            try:
-                # the gradient graph was checked for latent escapes when it was traced; the
-                # core's functions around it are branch-free tensor code
-                gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False)
-            except tracing.UntraceableModel as e:
-                self._fall_back(f"{e}")
-                return eager
-            if key is not None and self.name == "aot":
-                compiled = self._compile_into_cache(gm, examples, key)
-            if compiled is None:
-                compiled = self._compile(gm, example_inputs)
+        aot = self._load_cached(key) if key is not None else None
+        if aot is not None and self._check(aot, eager, validation_inputs) is None:
+            return aot
+        try:
+            # the gradient graph was checked for latent escapes when it was traced; the
+            # core's functions around it are branch-free tensor code
+            gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False)
+        except tracing.UntraceableModel as e:
+            self._fall_back(f"{e}")
+            return eager
+        if aot is None and key is not None and self.name == "aot":
+            aot = self._compile_into_cache(gm, examples, key)
+            if aot is not None and self._check(aot, eager, validation_inputs) is None:
+                return aot
+        if aot is not None:
+            # C++ compilation reorders floating-point sums; where the sampler's energies
+            # cancel (large U, float32) that can exceed the tolerance although the graph is
+            # right. The traced graph runs Pyro's operations in Pyro's order: use it.
+            self.rejected_compiled_programs += 1
+        compiled = self._compile(gm, example_inputs)
+        problem = self._check(compiled, eager, validation_inputs)
+        if problem is not None:
+            self._fall_back(problem)
+            return eager
+        return compiled
+
+    def _check(self, compiled, eager, validation_inputs):
+        """``None`` if ``compiled`` agrees with ``eager`` at every validation input, else
+        what is wrong."""
         for inputs in validation_inputs:
             try:
                 expected = eager(*inputs)
@@ -171,16 +188,14 @@ class GradientEngine:
             try:
                 actual = compiled(*inputs)
             except RuntimeError as e:
-                self._fall_back(f"the compiled program failed where Pyro's potential did not: {e}")
-                return eager
+                return f"the compiled program failed where Pyro's potential did not: {e}"
             err = _max_rel_error(actual, expected)
             if not err <= _tolerance(self.flat.dtype):
-                self._fall_back(
+                return (
                     f"the traced potential disagrees with Pyro's eager potential "
                     f"(relative error {err:.2e}) at a validation point"
                 )
-                return eager
-        return compiled
+        return None
 
     def _aot_key(self, cache_key, examples) -> str:
         if self._gradient_key is None:
