@@ -71,3 +71,31 @@ def test_aot_cache_compiles_once_and_later_processes_load(tmp_path):
     assert cached == 2
     _, _, trace_total = run("trace")
     assert abs(warm_total - trace_total) < 1e-4 and abs(aot_total - trace_total) < 1e-4
+
+
+def test_a_compiled_program_that_fails_validation_falls_back_to_the_trace(tmp_path, monkeypatch):
+    """A cached/compiled program that disagrees with Pyro's potential (e.g. float sums
+    reordered by the C++ compiler) is replaced by the traced program, not by eager autograd."""
+    import warnings
+
+    from pyro_hmc_plus import GradientEngine, from_potential_fn
+
+    monkeypatch.setenv("PYRO_HMC_PLUS_CACHE", str(tmp_path))
+    flat = from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.zeros(3)}, None)
+    engine = GradientEngine(flat, "aot")
+
+    def slightly_wrong(gm, examples, key):
+        return lambda *xs: tuple(y * 1.01 if y.is_floating_point() else y for y in gm(*xs))
+
+    monkeypatch.setattr(_compile, "aot_compile", slightly_wrong)
+
+    def fn(value_and_grad, z):
+        return value_and_grad(z)
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback-to-eager warning
+        program = engine.program(fn, (z,), [(z,), (z + 1,)], cache_key=("test",))
+    U, g = program(z)
+    assert torch.allclose(U, 0.5 * (z**2).sum()) and torch.allclose(g, z)
+    assert engine.rejected_compiled_programs == 1 and engine.name == "aot"
