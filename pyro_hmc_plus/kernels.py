@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 from collections import OrderedDict
 
 import pyro

@@ -122,8 +122,10 @@ def init_tree(state: HMCState, noise: torch.Tensor, log_slice: torch.Tensor, met
     z, U, g = state
     r = momentum(noise, metric.momentum_scale)
     H0 = U + kinetic_energy(r, metric.inverse_mass)
+
     def zero(dtype=None):
         return torch.zeros_like(U, dtype=dtype)  # a new tensor for each field
+
     ends = IntegratorState(
         torch.stack([z, z], -2), torch.stack([r, r], -2), torch.stack([U, U], -1), torch.stack([g, g], -2)
     )
@@ -150,6 +152,7 @@ def subtree_start(tree: Tree, forward: torch.Tensor) -> IntegratorState:
 
 
 def signed_step_size(step_size: torch.Tensor, forward: torch.Tensor) -> torch.Tensor:
+    """Negative steps integrate backward in time (the momentum keeps its sign, as in Stan)."""
     return torch.where(forward, step_size, -step_size)
 
 
@@ -203,6 +206,7 @@ def build_subtree(
     first, mid, last, ends_at = _subtree_blocks(L, r.device, r.dtype)
     if len(first):
         cumulative = torch.nn.functional.pad(r.cumsum(-2), (0, 0, 1, 0))  # (..., L + 1, D)
+
         def at(x, i):
             return x.index_select(-2, i)
         rho_first_half = at(cumulative, mid) - at(cumulative, first)
