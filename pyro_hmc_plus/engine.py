@@ -216,13 +216,7 @@ class GradientEngine:
         try:
             return _compile.aot_compile(gm, examples, key)
         except Exception as e:  # AOTInductor has many failure types; the trace still works
-            warnings.warn(
-                f"AOTInductor could not compile the program ({type(e).__name__}: {e}); "
-                "using the traced graph instead",
-                EngineFallbackWarning,
-                stacklevel=4,
-            )
-            self.name = "trace"
+            self._compiler_failed("AOTInductor", e)
             return None
 
     def _compile(self, gm, example_inputs):
@@ -230,14 +224,18 @@ class GradientEngine:
             try:
                 return _compile.inductor(gm, example_inputs)
             except Exception as e:  # inductor has many failure types; the trace still works
-                warnings.warn(
-                    f"TorchInductor could not compile the model ({type(e).__name__}: {e}); "
-                    "using the traced graph instead",
-                    EngineFallbackWarning,
-                    stacklevel=3,
-                )
-                self.name = "trace"
+                self._compiler_failed("TorchInductor", e)
         return _compile.torchscript(gm, example_inputs)
+
+    def _compiler_failed(self, compiler: str, error: Exception):
+        """A C++ compiler failed on a program: warn, and trace from now on."""
+        warnings.warn(
+            f"{compiler} could not compile the program ({type(error).__name__}: {error}); "
+            "using the traced graph instead",
+            EngineFallbackWarning,
+            stacklevel=4,
+        )
+        self.name = "trace"
 
     def _fall_back(self, reason: str):
         if self.name != "eager":

@@ -57,6 +57,11 @@ def _unflatten(structure, leaves):
     return tuple(values) if kind is tuple else kind(*values)
 
 
+def _host_values(*scalars: torch.Tensor) -> list:
+    """The per-draw statistics (0-d tensors of any dtype) as Python floats, in one host read."""
+    return torch.stack([x.to(torch.float64) for x in scalars]).tolist()
+
+
 def _args_key(args, kwargs):
     """What the traced programs depend on besides the model: the data (identity and in-place
     version of every tensor argument) and the default dtype."""
@@ -537,10 +542,9 @@ class HMC(MCMCKernel):
             state, info = hmc_step(
                 self._integrate, self._state, noise, log_u, self._step_size_tensor, self._metric
             )
-        lp, energy, accept_prob, diverging, accepted = torch.stack(
-            [-info.potential_energy, info.energy, info.acceptance_prob,
-             info.diverging.to(flat.dtype), info.accepted.to(flat.dtype)]
-        ).tolist()
+        lp, energy, accept_prob, diverging, accepted = _host_values(
+            -info.potential_energy, info.energy, info.acceptance_prob, info.diverging, info.accepted
+        )
         stats = dict(lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging), n_steps=n_steps)
         return state, stats, bool(accepted)
 
@@ -805,10 +809,10 @@ class NUTS(HMC):
             if tree.done.item():
                 break
         info = nuts.info(tree)
-        lp, energy, accept_prob, diverging, accepted, tree_depth, n_steps = torch.stack(
-            [-info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(flat.dtype),
-             info.accepted.to(flat.dtype), info.tree_depth.to(flat.dtype), info.n_steps.to(flat.dtype)]
-        ).tolist()
+        lp, energy, accept_prob, diverging, accepted, tree_depth, n_steps = _host_values(
+            -info.potential_energy, info.energy, info.acceptance_prob, info.diverging, info.accepted,
+            info.tree_depth, info.n_steps,
+        )
         stats = dict(
             lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging),
             n_steps=int(n_steps), tree_depth=int(tree_depth),

@@ -31,6 +31,11 @@ def gamma_poisson(y):
         pyro.sample("y", dist.Poisson(rate), obs=y)
 
 
+def gamma_poisson_posterior(y):
+    """The posterior Gamma's (shape, rate), and so its mean shape / rate and variance shape / rate**2."""
+    return float(2.0 + y.sum()), 1.0 + len(y)
+
+
 def dirichlet_categorical(counts):
     """p ~ Dirichlet(1, 1, 1), counts ~ Multinomial(p): posterior Dirichlet(1 + counts)."""
     p = pyro.sample("p", dist.Dirichlet(torch.ones(3)))

@@ -22,6 +22,7 @@ from models import (
     PRECISION,
     dirichlet_categorical,
     gamma_poisson,
+    gamma_poisson_posterior,
     gauss2d,
     normal_normal,
     normal_normal_posterior,
@@ -73,7 +74,7 @@ def test_conjugate_normal_normal():
 
 def test_positive_site_in_constrained_space():
     y = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
-    a, b = 2.0 + y.sum(), 1.0 + len(y)
+    a, b = gamma_poisson_posterior(y)
     rate = run(HMC(gamma_poisson), 1500, 300, y).get_samples()["rate"].numpy()
     assert (rate > 0).all()
     assert_mean(rate, a / b)
