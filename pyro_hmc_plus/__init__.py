@@ -8,11 +8,13 @@ Pyro's tracing and autograd at every leapfrog step.
 
 from .engine import ENGINES, EngineFallbackWarning, GradientEngine
 from .kernels import HMC, NUTS
+from .mcmc import MCMC
 from .potential import FlatPotential, SiteLayout, from_model, from_potential_fn
 from .tracing import UntraceableModel
 
 __all__ = [
     "HMC",
+    "MCMC",
     "NUTS",
     "ENGINES",
     "EngineFallbackWarning",

@@ -60,6 +60,13 @@ def hmc_step(
     H0 = state.potential_energy + kinetic_energy(r0, metric.inverse_mass)
     start = IntegratorState(state.z, r0, state.potential_energy, state.grad)
     end = integrate(start, step_size, metric.inverse_mass)
+    return metropolis(state, H0, end, log_u, metric, max_energy_error)
+
+
+def metropolis(state: HMCState, H0: torch.Tensor, end: IntegratorState, log_u: torch.Tensor,
+               metric: Metric, max_energy_error: float = MAX_ENERGY_ERROR):
+    """The Metropolis test of a trajectory from ``state`` (Hamiltonian ``H0``) to ``end``:
+    returns ``(HMCState, HMCInfo)`` as :func:`hmc_step`."""
     H1 = end.potential_energy + kinetic_energy(end.r, metric.inverse_mass)
     delta = H1 - H0
     delta = torch.where(torch.isnan(delta), torch.full_like(delta, float("inf")), delta)

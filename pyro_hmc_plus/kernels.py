@@ -15,7 +15,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
-from . import adaptation, nuts, potential
+from . import adaptation, leafwise, nuts, potential
 from .engine import GradientEngine
 from .hmc import HMCInfo, HMCState, hmc_step
 from .integrator import IntegratorState, leapfrog
@@ -223,6 +223,24 @@ class HMC(MCMCKernel):
         initial = self._initial_params
         self._reset()
         self._warmup_steps = warmup_steps
+        z0 = self._build_potential(args, kwargs, initial)[0]
+        if self.model is not None:  # Pyro's model path returns the init point as `initial_params`
+            self._initial_params = self._flat.layout.unpack(z0)
+        U0, g0 = self._engine.eager_value_and_grad(z0)
+        self._state = HMCState(z0, U0, g0)
+        self._configure_adaptation()
+        if self._engine.name == "aot":
+            with torch.random.fork_rng(devices=[]):  # building programs must not shift the user's stream
+                self._build_programs()
+        self._chain_stats.append({name: [] for name in self.stat_names + ("warmup",)})
+
+    def _build_potential(self, args, kwargs, initial, num_chains: int = 1) -> torch.Tensor:
+        """Build ``self._flat`` and ``self._engine`` for the model (with these arguments) or the
+        ``potential_fn``, reusing the engine while the data are the same, and return every
+        chain's checked starting point, ``(num_chains, D)``. ``initial`` (unconstrained
+        values) has a leading chain dimension when ``num_chains > 1``."""
+        batch = (num_chains,) if num_chains > 1 else ()
+        first = None if initial is None else {k: torch.as_tensor(v)[(0,) * len(batch)] for k, v in initial.items()}
         if self.model is not None:
             flat = potential.from_model(
                 self.model,
@@ -231,12 +249,11 @@ class HMC(MCMCKernel):
                 transforms=self._user_transforms,
                 max_plate_nesting=self._max_plate_nesting,
                 init_strategy=self._init_strategy,
-                initial_params=self._checked_initial_params(initial),
+                initial_params=self._checked_initial_params(first),
+                num_chains=num_chains,
             )
-            # Pyro's model path returns the init point as `initial_params`
-            self._initial_params = flat.layout.unpack(flat.initial_z)
         else:
-            flat = potential.from_potential_fn(self.potential_fn, initial, self._user_transforms)
+            flat = potential.from_potential_fn(self.potential_fn, first, self._user_transforms)
         self.transforms = flat.transforms
         key = _args_key(args, kwargs)
         if key not in self._engines or self._engines[key].flat.layout != flat.layout:
@@ -244,15 +261,10 @@ class HMC(MCMCKernel):
             self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
         self._engine = self._engines[key]
         self._flat = flat
-        z0 = flat.initial_z
-        potential.check_initial_point(flat, z0)
-        U0, g0 = self._engine.eager_value_and_grad(z0)
-        self._state = HMCState(z0, U0, g0)
-        self._configure_adaptation()
-        if self._engine.name == "aot":
-            with torch.random.fork_rng(devices=[]):  # building programs must not shift the user's stream
-                self._build_programs()
-        self._chain_stats.append({name: [] for name in self.stat_names + ("warmup",)})
+        zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)
+        for z in zs:
+            potential.check_initial_point(flat, z)
+        return zs
 
     def _checked_initial_params(self, initial):
         if initial is None:
@@ -491,6 +503,18 @@ class HMC(MCMCKernel):
             for _ in range(_VALIDATION_POINTS)
         ]
         return [self._block_inputs(p, gen) for p in points]
+
+    # ------------------------------------------------------------------ many chains at once
+    # (pyro_hmc_plus.MCMC's vectorized runs: every chain advances one leapfrog step per call)
+    def _chains_init(self, state: HMCState, metric: Metric, step_size: leafwise.StepSize):
+        return leafwise.hmc_init(state, metric, step_size)
+
+    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule):
+        return leafwise.hmc_advance(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length)
+
+    def _chains_settings(self) -> tuple:
+        """What the batched program depends on besides its inputs' shapes."""
+        return (self.trajectory_length,)
 
     def _integrate(self, start: IntegratorState, step_size, inverse_mass, num_steps=None) -> IntegratorState:
         """``num_steps`` leapfrog steps as a few fused blocks of at most ``max_unroll`` steps.
@@ -776,6 +800,18 @@ class NUTS(HMC):
         while pending:  # stopped early: the invalid subtree takes its valid left neighbours' counts
             subtree = merge(pending.pop(), subtree)
         return self._tensor_program(("nuts_extend",), extend, tree, subtree, rands, inverse_mass)
+
+    # ------------------------------------------------------------------ many chains at once
+    def _chains_init(self, state: HMCState, metric: Metric, step_size: leafwise.StepSize):
+        return leafwise.nuts_init(state, metric, step_size, self.max_tree_depth)
+
+    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule):
+        return leafwise.nuts_advance(
+            value_and_grad, chains, noise, uniforms, metric, schedule, self.max_tree_depth, self.use_multinomial_sampling
+        )
+
+    def _chains_settings(self) -> tuple:
+        return self._program_settings()
 
     # ------------------------------------------------------------------ the transition
     def _transition(self, warmup: bool):

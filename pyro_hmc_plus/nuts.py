@@ -109,12 +109,18 @@ def _joins_without_u_turn(v_a0, v_a1, p_a1, rho_a, v_b0, v_b1, p_b0, rho_b):
     return ((v_ends * rho).sum(-1) > 0).all(-1)
 
 
-def _select(mask: torch.Tensor, a, b):
+def _select(mask: torch.Tensor, a, b, _masks=None):
     """``a`` where ``mask`` else ``b``, field by field through nested records; ``mask`` has
-    the batch shape."""
+    the batch shape. (The mask is reshaped once per field rank: in a traced program every
+    view is an operation with its own overhead.)"""
+    masks = {mask.dim(): mask} if _masks is None else _masks
     if isinstance(a, tuple):
-        return type(a)(*(_select(mask, x, y) for x, y in zip(a, b)))
-    return torch.where(mask.reshape(mask.shape + (1,) * (a.dim() - mask.dim())), a, b)
+        fields = (_select(mask, x, y, masks) for x, y in zip(a, b))
+        return tuple(fields) if type(a) is tuple else type(a)(*fields)
+    m = masks.get(a.dim())
+    if m is None:
+        m = masks[a.dim()] = mask.reshape(mask.shape + (1,) * (a.dim() - mask.dim()))
+    return torch.where(m, a, b)
 
 
 def init_tree(state: HMCState, noise: torch.Tensor, log_slice: torch.Tensor, metric: Metric) -> Tree:

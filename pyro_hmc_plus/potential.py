@@ -67,14 +67,16 @@ class FlatPotential:
     """``U`` and its gradient over one flat unconstrained vector, exactly as Pyro defines ``U``.
 
     Built by :func:`from_model` or :func:`from_potential_fn`. ``initial_z`` is the starting
-    point chosen by the init strategy (or given by the user), shape ``(D,)``.
+    point chosen by the init strategy (or given by the user), shape ``(D,)``; ``initial_zs``
+    one per chain, ``(C, D)``, where several chains were asked for.
     """
 
-    def __init__(self, potential_fn, layout: SiteLayout, transforms, initial_z, source: str):
+    def __init__(self, potential_fn, layout: SiteLayout, transforms, initial_z, source: str, initial_zs=None):
         self.potential_fn = potential_fn
         self.layout = layout
         self.transforms = transforms
         self.initial_z = initial_z
+        self.initial_zs = initial_z.unsqueeze(0) if initial_zs is None else initial_zs
         self.source = source  # "model" or "potential_fn": where U came from, for messages
 
     @property
@@ -132,11 +134,13 @@ def from_model(
     max_plate_nesting=None,
     init_strategy=None,
     initial_params=None,
+    num_chains=1,
 ) -> FlatPotential:
     """Build the flat potential of a Pyro model with Pyro's own ``initialize_model``.
 
     Pyro chooses the transforms, enumerates discrete sites where it can, runs the init
-    strategy (retrying until the potential is finite) and defines ``U``; we only flatten.
+    strategy (retrying until the potential is finite; once per chain) and defines ``U``; we
+    only flatten. ``initial_zs`` holds each chain's starting point.
     """
     kwargs = {}
     if init_strategy is not None:
@@ -149,6 +153,7 @@ def from_model(
             transforms=transforms,
             max_plate_nesting=max_plate_nesting,
             initial_params=initial_params,
+            num_chains=num_chains,
             **kwargs,
         )
     except NotImplementedError as e:
@@ -167,9 +172,10 @@ def from_model(
         raise
     if not init:
         raise ValueError("the model has no continuous latent sites to sample")
-    layout = SiteLayout.of(init)
-    z0 = layout.pack({k: v.detach() for k, v in init.items()})
-    return FlatPotential(potential_fn, layout, transforms, z0, source="model")
+    batch = () if num_chains == 1 or initial_params is not None else (num_chains,)
+    layout = SiteLayout.of(init, batch_ndim=len(batch))
+    zs = layout.pack({k: v.detach() for k, v in init.items()}, batch_shape=batch).reshape(-1, layout.dim)
+    return FlatPotential(potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs)
 
 
 def from_potential_fn(potential_fn: Callable, initial_params, transforms=None) -> FlatPotential:

@@ -1,0 +1,381 @@
+"""``pyro_hmc_plus.MCMC``: Pyro's ``MCMC`` with a third way to run several chains.
+
+``chain_method="vectorized"`` (the default for this package's kernels) keeps every chain in
+one batch of flat states in this process: each compiled call advances every chain by one
+leapfrog step (:mod:`pyro_hmc_plus.leafwise`), so one gradient evaluation serves all chains,
+no chain waits for another's trajectory, nothing is pickled and no worker process is
+spawned. ``"sequential"`` and ``"parallel"`` are Pyro's own (one chain after another in this
+process; one process per chain).
+
+The host side of a vectorized run lives here: each chain's adaptation windows (a chain is
+paused in the compiled call when it reaches the end of a window; its metric and step size are
+re-estimated here, from its own draws), collecting the draws each chain emits at its own
+pace, the progress bar, ``hook_fn``, and keeping the draws made so far when the run is
+interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import List
+
+import pyro
+import pyro.poutine as poutine
+import torch
+from pyro.infer.mcmc.api import AbstractMCMC, _UnarySampler
+from tqdm.auto import tqdm
+
+from . import adaptation, leafwise
+from .hmc import HMCState
+from .integrator import IntegratorState, leapfrog
+from .kernels import HMC, _is_numerical_failure
+from .metric import kinetic_energy, make_metric, momentum, unit_metric
+
+CHAIN_METHODS = ("vectorized", "sequential", "parallel")
+
+
+class MCMC(pyro.infer.MCMC):
+    """:class:`pyro.infer.MCMC` with ``chain_method``; the same constructor and methods.
+
+    :param str chain_method: ``"vectorized"`` (default for :class:`~pyro_hmc_plus.HMC` and
+        :class:`~pyro_hmc_plus.NUTS`): all chains in one batch, each at its own pace;
+        ``"sequential"``: one chain after another (Pyro's way without processes);
+        ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
+        than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
+    :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
+        run (a chain starts its next transition within the call as soon as one ends).
+
+    After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
+    batched gradient calls that did useful work (a chain idles only when it is finished or
+    waits for its metric update at the end of an adaptation window).
+    """
+
+    def __init__(
+        self,
+        kernel,
+        num_samples,
+        warmup_steps=None,
+        initial_params=None,
+        num_chains=1,
+        hook_fn=None,
+        mp_context=None,
+        disable_progbar=False,
+        disable_validation=True,
+        transforms=None,
+        save_params=None,
+        chain_method=None,
+        *,
+        leaves_per_call: int = 4,
+    ):
+        ours = isinstance(kernel, HMC)
+        if chain_method is None:
+            chain_method = "vectorized" if ours else "parallel"
+        if chain_method not in CHAIN_METHODS:
+            raise ValueError(f"chain_method must be one of {CHAIN_METHODS}, got {chain_method!r}")
+        if chain_method == "vectorized" and not ours:
+            raise ValueError(
+                "chain_method='vectorized' needs a pyro_hmc_plus kernel (HMC or NUTS); "
+                f"for {type(kernel).__name__} use 'sequential' or 'parallel'"
+            )
+        if not (isinstance(num_chains, int) and num_chains >= 1):
+            raise ValueError(f"num_chains must be a positive integer, got {num_chains!r}")
+        if leaves_per_call < 1:
+            raise ValueError("leaves_per_call must be at least 1")
+        self.chain_method = chain_method
+        self.leaves_per_call = int(leaves_per_call)
+        self.batch_utilisation = None
+        if chain_method == "parallel":
+            super().__init__(
+                kernel, num_samples, warmup_steps, initial_params, num_chains, hook_fn, mp_context,
+                disable_progbar, disable_validation, transforms, save_params,
+            )
+            return
+        # Pyro's constructor without its choice of worker processes
+        AbstractMCMC.__init__(self, kernel, num_chains, transforms)
+        self.warmup_steps = num_samples if warmup_steps is None else warmup_steps
+        self.num_samples = num_samples
+        self.disable_validation = disable_validation
+        self.disable_progbar = disable_progbar
+        self._samples = None
+        self._args = None
+        self._kwargs = None
+        if save_params is not None:
+            kernel.save_params = save_params
+        self._validate_kernel(initial_params)
+        if initial_params:
+            if num_chains > 1:
+                self._validate_initial_params(initial_params)
+            else:
+                initial_params = {k: torch.as_tensor(v).unsqueeze(0) for k, v in initial_params.items()}
+        self._initial_params = initial_params
+        self._hook = hook_fn
+        self._diagnostics = [None] * num_chains
+        self.sampler = _UnarySampler(
+            kernel, num_samples, self.warmup_steps, num_chains, disable_progbar,
+            initial_params=initial_params, hook=hook_fn,
+        )
+
+    @poutine.block
+    def run(self, *args, **kwargs):
+        if self.chain_method != "vectorized":
+            return super().run(*args, **kwargs)
+        self._args, self._kwargs = args, kwargs
+        args = [arg.detach() if torch.is_tensor(arg) else arg for arg in args]
+        initial = self._initial_params
+        if initial is not None and self.num_chains == 1:
+            initial = {k: v[0] for k, v in initial.items()}
+        validation = pyro.validation_enabled(not self.disable_validation)
+        with validation:
+            run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples, self.leaves_per_call)
+            rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
+        self.batch_utilisation = run.utilisation
+        self._collect(rows, run)
+
+    def _collect(self, rows: List[torch.Tensor], run: "_VectorizedRun"):
+        """Pyro's results (``_samples`` in constrained space, per-chain ``_diagnostics``) and
+        the kernel's ``sample_stats`` from each chain's rows of draws and statistics."""
+        kernel, W = self.kernel, self.warmup_steps
+        layout = kernel._flat.layout
+        D = layout.dim
+        num_kept = min(max(len(r) - W, 0) for r in rows)
+        for chain, r in enumerate(rows):
+            stats = run.statistics(r)
+            kernel._chain_stats.append(stats)
+            post = r[W:]
+            self._diagnostics[chain] = {
+                "divergences": [i for i, d in enumerate(stats["diverging"][W:]) if d],
+                "acceptance rate": post[:, D + leafwise.STAT_COLUMNS.index("accepted")].double().mean().item()
+                if len(post) else float("nan"),
+            }
+        z = torch.stack([r[W : W + num_kept, :D] for r in rows])  # (C, N, D)
+        params = layout.unpack(z)
+        save_params = getattr(kernel, "save_params", None) or sorted(params)
+        if self.transforms is None:
+            self.transforms = kernel.transforms or {}
+        self._samples = {
+            name: self.transforms[name].inv(params[name]) if name in self.transforms else params[name]
+            for name in save_params
+        }
+
+
+class _VectorizedRun:
+    """One vectorized run: the chains' batched state, their adaptation, and their draws."""
+
+    def __init__(self, kernel: HMC, num_chains: int, warmup_steps: int, num_samples: int, leaves_per_call: int):
+        self.kernel = kernel
+        self.C = num_chains
+        self.W = warmup_steps
+        self.total = warmup_steps + num_samples
+        self.T = leaves_per_call
+        self.utilisation = None
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self, args, kwargs, initial):
+        k = self.kernel
+        k._reset()
+        k._warmup_steps = self.W
+        zs = k._build_potential(args, kwargs, initial, self.C)
+        flat = k._flat
+        self.layout, self.D = flat.layout, flat.dim
+        U, g = k._engine.eager_value_and_grad(zs)
+        state = HMCState(zs, U, g)
+        k._state = HMCState(zs[0], U[0], g[0])  # the kernel's single-chain view (validation points)
+        self.block_mask = k._mass_structure()
+        self.dense = self.block_mask is not None
+        self.metric = unit_metric(self.D, self.dense, batch_shape=(self.C,), dtype=flat.dtype, device=flat.device)
+        adapting = (k.adapt_step_size or k.adapt_mass_matrix) and self.W > 0
+        self.windows = adaptation.adaptation_schedule(self.W) if adapting else []
+        slow = self.windows[1:-1] if k.adapt_mass_matrix else []
+        self.metric_updates = list(slow)
+        step = torch.full((self.C,), k._init_step_size, dtype=flat.dtype, device=flat.device)
+        if k.adapt_step_size and self.W > 0:
+            step = torch.stack([torch.tensor(self._reasonable_step_size(state, c, k._init_step_size)) for c in range(self.C)])
+            step = step.to(dtype=flat.dtype, device=flat.device)
+        dual = adaptation.dual_averaging_init(step.log())._replace(t=torch.zeros_like(step))
+        self.chains = k._chains_init(state, self.metric, leafwise.StepSize(step, dual))
+        like = torch.ones_like(step)
+        self.schedule = leafwise.Schedule(
+            pause_at=torch.tensor([self._next_pause(0)] * self.C, device=flat.device),
+            adapt_until=torch.full((self.C,), self.W if k.adapt_step_size else 0, device=flat.device),
+            target_accept=like * k.target_accept_prob,
+            min_step_size=like * k.min_stepsize,
+            max_step_size=like * k.max_stepsize,
+        )
+
+    def _next_pause(self, draws: int) -> int:
+        """The draw count at which a chain with ``draws`` draws next waits for the host."""
+        return min([w.end + 1 for w in self.metric_updates if w.end + 1 > draws] + [self.total])
+
+    def _reasonable_step_size(self, state: HMCState, c: int, step_size: float) -> float:
+        """Pyro's initial step-size heuristic for chain ``c`` under its current metric."""
+        k = self.kernel
+        z, U, g = state.z[c], state.potential_energy[c], state.grad[c]
+        inv, scale = self.metric.inverse_mass[c], self.metric.momentum_scale[c]
+
+        def energy_change(eps: float) -> float:
+            r = momentum(torch.randn_like(z), scale)
+            eps_t = torch.tensor(eps, dtype=z.dtype, device=z.device)
+            try:
+                end = leapfrog(k._engine.value_and_grad, IntegratorState(z, r, U, g), eps_t, inv, 1)
+            except (RuntimeError, ValueError) as e:
+                if not _is_numerical_failure(e):
+                    raise
+                return math.inf
+            delta = (end.potential_energy + kinetic_energy(end.r, inv) - U - kinetic_energy(r, inv)).item()
+            return delta if math.isfinite(delta) else math.inf
+
+        return adaptation.find_reasonable_step_size(energy_change, step_size, k.min_stepsize, k.max_stepsize)
+
+    # ------------------------------------------------------------------ the compiled call
+    def _advance_program(self):
+        k, T = self.kernel, self.T
+
+        def advance(value_and_grad, chains, noise, uniforms, metric, schedule):
+            draws, dones, actives = [], [], []
+            for t in range(T):
+                chains, draw, done, active = k._chains_advance(value_and_grad, chains, noise[t], uniforms[t], metric, schedule)
+                draws.append(draw)
+                dones.append(done)
+                actives.append(active)
+            return chains, torch.stack(draws), torch.stack(dones), torch.stack(actives)
+
+        def validation():
+            gen = torch.Generator(device=self.metric.inverse_mass.device).manual_seed(0)
+            z0 = self.chains.position.z
+            out = []
+            for i in range(3):
+                z = z0 if i == 0 else z0 + torch.empty_like(z0).uniform_(-2, 2, generator=gen)
+                U, g = k._engine.eager_value_and_grad(z)
+                chains = k._chains_init(HMCState(z, U, g), self.metric, self.chains.step_size)
+                noise = torch.randn((T,) + z.shape, generator=gen, dtype=z.dtype, device=z.device)
+                uniforms = torch.rand((T, self.C, leafwise.NUM_UNIFORMS), generator=gen, dtype=z.dtype, device=z.device)
+                out.append((chains, noise, uniforms, self.metric, self.schedule))
+            return out
+
+        self._eager_advance = lambda *xs: advance(self._safe_value_and_grad, *xs)
+        return k._program(("chains", self.C, T) + k._chains_settings(), advance, validation)
+
+    def _safe_value_and_grad(self, z: torch.Tensor):
+        """Eager ``(U, dU/dz)`` chain by chain, with ``U = nan`` (a divergence) where the model
+        fails numerically: used to redo a call in which one chain's model raised."""
+        out = []
+        for zc in z:
+            try:
+                out.append(self.kernel._engine.eager_value_and_grad(zc))
+            except (RuntimeError, ValueError) as e:
+                if not _is_numerical_failure(e):
+                    raise
+                out.append((torch.full_like(zc[0], float("nan")), torch.zeros_like(zc)))
+        return torch.stack([u for u, _ in out]), torch.stack([g for _, g in out])
+
+    # ------------------------------------------------------------------ adaptation windows
+    def _update_metric(self, c: int, window, rows: torch.Tensor):
+        """Chain ``c`` finished the slow window ``window``: its inverse mass matrix becomes the
+        regularised covariance of its draws there, and its step size is searched afresh."""
+        k = self.kernel
+        x = rows[window.start : window.end + 1, : self.D]
+        mean = x.mean(0)
+        dev = x - mean
+        m2 = dev.T @ dev if self.dense else (dev * dev).sum(0)
+        cov = adaptation.welford_covariance(adaptation.WelfordState(len(x), mean, m2))
+        if self.block_mask is not None:
+            cov = cov * self.block_mask
+        new = make_metric(cov, self.dense)
+        for field, value in zip(self.metric, new):
+            field[c] = value
+        if k.adapt_step_size:
+            eps = self._reasonable_step_size(self.chains.position, c, self.chains.step_size.value[c].item())
+            value = self.chains.step_size.value.clone()
+            value[c] = eps
+            fresh = adaptation.dual_averaging_init(value.log())._replace(t=torch.zeros_like(value))
+            dual = tuple(torch.where(torch.arange(self.C, device=value.device) == c, a, b)
+                         for a, b in zip(fresh, self.chains.step_size.dual))
+            self.chains = self.chains._replace(step_size=leafwise.StepSize(value, adaptation.DualAveragingState(*dual)))
+
+    # ------------------------------------------------------------------ the run
+    def sample(self, args, kwargs, initial, hook, disable_progbar) -> List[torch.Tensor]:
+        """Run every chain to its ``warmup_steps + num_samples`` draws (or until interrupted);
+        returns each chain's rows ``(draws, D + NUM_STATS)`` (:data:`leafwise.STAT_COLUMNS`)."""
+        self._setup(args, kwargs, initial)
+        k, C, T, D = self.kernel, self.C, self.T, self.D
+        program = self._advance_program()
+        z = self.chains.position.z
+        rows = [[] for _ in range(C)]
+        counts = [0] * C
+        pause_at = self.schedule.pause_at.tolist()
+        useful = slots = 0
+        divergences = 0
+        bar = tqdm(total=C * self.total, disable=disable_progbar, dynamic_ncols=True, desc="Warmup")
+        last_postfix = 0.0
+        try:
+            while min(counts) < self.total:
+                noise = torch.randn((T, C, self.D), dtype=z.dtype, device=z.device)
+                uniforms = torch.rand((T, C, leafwise.NUM_UNIFORMS), dtype=z.dtype, device=z.device)
+                inputs = (self.chains, noise, uniforms, self.metric, self.schedule)
+                try:
+                    self.chains, draws, done, active = program(*inputs)
+                except (RuntimeError, ValueError) as e:
+                    if not _is_numerical_failure(e):
+                        raise
+                    self.chains, draws, done, active = self._eager_advance(*inputs)
+                emitted = draws[done]  # (n, D + S), in call order
+                chain_of = done.nonzero()[:, 1].tolist()
+                useful += int(active.sum())
+                slots += T * C
+                for row, c in zip(emitted, chain_of):
+                    if hook is not None:
+                        i = counts[c]
+                        stage = "Warmup" if i < self.W else "Sample"
+                        hook(k, self.layout.unpack(row[:D]), f"{stage} [{c}]" if C > 1 else stage,
+                             i if i < self.W else i - self.W)
+                    rows[c].append(row)
+                    counts[c] += 1
+                divergences += int(emitted[:, D + leafwise.STAT_COLUMNS.index("diverging")].sum())
+                for c in range(C):
+                    if counts[c] == pause_at[c] and counts[c] < self.total:
+                        window = next(w for w in self.metric_updates if w.end + 1 == counts[c])
+                        self._update_metric(c, window, torch.stack(rows[c]))
+                        pause_at[c] = self._next_pause(counts[c])
+                        self.schedule = self.schedule._replace(pause_at=torch.tensor(pause_at, device=z.device))
+                bar.update(len(chain_of))
+                now = time.monotonic()
+                if now - last_postfix > 0.5 and not disable_progbar:
+                    last_postfix = now
+                    steps = self.chains.step_size.value
+                    bar.set_description("Warmup" if min(counts) < self.W else "Sample")
+                    bar.set_postfix_str(
+                        f"divergences={divergences}, step size={steps.min().item():.2e}..{steps.max().item():.2e}"
+                    )
+        except KeyboardInterrupt:
+            kept = [max(n - self.W, 0) for n in counts]
+            warnings.warn(
+                f"sampling interrupted: draws per chain {counts} (of {self.total}, warmup "
+                f"{self.W}); keeping the first {min(kept)} post-warmup draws of every chain",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        finally:
+            bar.close()
+            self.utilisation = useful / slots if slots else float("nan")
+        return [torch.stack(r) if r else z.new_zeros(0, D + leafwise.NUM_STATS) for r in rows]
+
+    def statistics(self, rows: torch.Tensor) -> dict:
+        """One chain's per-draw statistics, with the kernel's (Stan's) names, as lists."""
+        k, D = self.kernel, self.D
+        cols = {name: rows[:, D + i] for i, name in enumerate(leafwise.STAT_COLUMNS)}
+        stats = {
+            "lp": (-cols["potential_energy"]).tolist(),
+            "energy": cols["energy"].tolist(),
+            "acceptance_rate": cols["acceptance_rate"].tolist(),
+            "diverging": [bool(x) for x in cols["diverging"].tolist()],
+            "step_size": cols["step_size"].tolist(),
+            "n_steps": [int(x) for x in cols["n_steps"].tolist()],
+        }
+        if "tree_depth" in k.stat_names:
+            depth = [int(x) for x in cols["tree_depth"].tolist()]
+            stats["tree_depth"] = depth
+            stats["reached_max_treedepth"] = [d >= k.max_tree_depth for d in depth]
+        stats["warmup"] = [i < self.W for i in range(len(rows))]
+        return {name: stats[name] for name in k.stat_names + ("warmup",)}
