@@ -68,6 +68,19 @@ def _max_rel_error(actual, expected) -> float:
     return worst
 
 
+def is_numerical_failure(e: Exception) -> bool:
+    """A linear-algebra failure inside the potential (e.g. Cholesky of a non-PD matrix):
+    the trajectory left the region where the model is defined, which is a divergence."""
+    try:
+        from pyro.ops.integrator import _EXCEPTION_HANDLERS
+
+        if any(handler(e) for handler in _EXCEPTION_HANDLERS.values()):
+            return True
+    except ImportError:  # pragma: no cover - older/newer Pyro without the registry
+        pass
+    return isinstance(e, torch.linalg.LinAlgError)
+
+
 class GradientEngine:
     """Builds the sampler's programs for one flat potential.
 
@@ -170,7 +183,9 @@ class GradientEngine:
             # cancel (large U, float32) that can exceed the tolerance although the graph is
             # right. The traced graph runs Pyro's operations in Pyro's order: use it.
             self.rejected_compiled_programs += 1
-        compiled = self._compile(gm, example_inputs)
+        compiled = self._compile_at_any(gm, [example_inputs] + list(validation_inputs[1:]))
+        if compiled is None:  # the model fails numerically at every example: run it eagerly
+            return eager
         problem = self._check(compiled, eager, validation_inputs)
         if problem is not None:
             self._fall_back(problem)
@@ -218,6 +233,19 @@ class GradientEngine:
         except Exception as e:  # AOTInductor has many failure types; the trace still works
             self._compiler_failed("AOTInductor", e)
             return None
+
+    def _compile_at_any(self, gm, candidates):
+        """``gm`` compiled with the first of ``candidates`` (argument tuples) at which it runs:
+        ``torch.jit.trace`` and inductor execute it once, and a model may fail numerically at
+        one example (e.g. a Cholesky beyond its support) but not at another. The result does
+        not depend on which example was used (the graph has no control flow)."""
+        for inputs in candidates:
+            try:
+                return self._compile(gm, inputs)
+            except (RuntimeError, ValueError) as e:
+                if not is_numerical_failure(e):
+                    raise
+        return None
 
     def _compile(self, gm, example_inputs):
         if self.name == "inductor":

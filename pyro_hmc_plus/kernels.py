@@ -16,26 +16,13 @@ from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from . import adaptation, leafwise, nuts, potential
-from .engine import GradientEngine
+from .engine import GradientEngine, is_numerical_failure
 from .hmc import HMCInfo, HMCState, hmc_step
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
 
 _VALIDATION_POINTS = 2  # random points (besides the initial one) each program is checked at
-
-
-def _is_numerical_failure(e: Exception) -> bool:
-    """A linear-algebra failure inside the potential (e.g. Cholesky of a non-PD matrix):
-    the trajectory left the region where the model is defined, which is a divergence."""
-    try:
-        from pyro.ops.integrator import _EXCEPTION_HANDLERS
-
-        if any(handler(e) for handler in _EXCEPTION_HANDLERS.values()):
-            return True
-    except ImportError:  # pragma: no cover - older/newer Pyro without the registry
-        pass
-    return isinstance(e, torch.linalg.LinAlgError)
 
 
 def _flatten(x, leaves: list):
@@ -531,7 +518,7 @@ class HMC(MCMCKernel):
                 state = IntegratorState(*self._leapfrog_program(k)(*state, step_size, inverse_mass))
                 remaining -= k
         except (RuntimeError, ValueError) as e:
-            if not _is_numerical_failure(e):
+            if not is_numerical_failure(e):
                 raise
             nan = torch.full_like(start.potential_energy, float("nan"))
             return IntegratorState(start.z, start.r, nan, start.grad)
@@ -558,7 +545,7 @@ class HMC(MCMCKernel):
                     *self._state, noise, log_u, self._step_size_tensor, *self._metric
                 )
             except (RuntimeError, ValueError) as e:
-                if not _is_numerical_failure(e):
+                if not is_numerical_failure(e):
                     raise
                 out = self._failed_transition()
             state, info = HMCState(*out[:3]), HMCInfo(*out[3:])
@@ -751,7 +738,7 @@ class NUTS(HMC):
         try:
             tree = self._first_doubling_program()(self._state, self._noise(), log_slice, forward, eps, self._metric)
         except (RuntimeError, ValueError) as e:
-            if not _is_numerical_failure(e):
+            if not is_numerical_failure(e):
                 raise
             return math.inf
         end_U, end_r = tree.ends.potential_energy[1], tree.ends.r[1]
@@ -835,7 +822,7 @@ class NUTS(HMC):
                 else:
                     tree = self._chunked_doubling(tree, depth, rands, step_size, inverse_mass)
             except (RuntimeError, ValueError) as e:
-                if not _is_numerical_failure(e):
+                if not is_numerical_failure(e):
                     raise
                 # the model failed numerically inside the new subtree: a divergence
                 if tree is None:

@@ -30,7 +30,8 @@ from tqdm.auto import tqdm
 from . import adaptation, leafwise
 from .hmc import HMCState
 from .integrator import IntegratorState, leapfrog
-from .kernels import HMC, _is_numerical_failure
+from .engine import is_numerical_failure
+from .kernels import HMC
 from .metric import kinetic_energy, make_metric, momentum, unit_metric
 
 CHAIN_METHODS = ("vectorized", "sequential", "parallel")
@@ -49,7 +50,9 @@ class MCMC(pyro.infer.MCMC):
 
     After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
     batched gradient calls that did useful work (a chain idles only when it is finished or
-    waits for its metric update at the end of an adaptation window).
+    waits for its metric update at the end of an adaptation window); :attr:`step_size`
+    ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)`` are each chain's
+    adapted values (over the flat unconstrained vector, sites in sorted order).
     """
 
     def __init__(
@@ -85,7 +88,7 @@ class MCMC(pyro.infer.MCMC):
             raise ValueError("leaves_per_call must be at least 1")
         self.chain_method = chain_method
         self.leaves_per_call = int(leaves_per_call)
-        self.batch_utilisation = None
+        self.batch_utilisation = self.step_size = self.inverse_mass_matrix = None
         if chain_method == "parallel":
             super().__init__(
                 kernel, num_samples, warmup_steps, initial_params, num_chains, hook_fn, mp_context,
@@ -131,6 +134,8 @@ class MCMC(pyro.infer.MCMC):
             run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples, self.leaves_per_call)
             rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
         self.batch_utilisation = run.utilisation
+        self.step_size = run.chains.step_size.value
+        self.inverse_mass_matrix = run.metric.inverse_mass
         self._collect(rows, run)
 
     def _collect(self, rows: List[torch.Tensor], run: "_VectorizedRun"):
@@ -220,7 +225,7 @@ class _VectorizedRun:
             try:
                 end = leapfrog(k._engine.value_and_grad, IntegratorState(z, r, U, g), eps_t, inv, 1)
             except (RuntimeError, ValueError) as e:
-                if not _is_numerical_failure(e):
+                if not is_numerical_failure(e):
                     raise
                 return math.inf
             delta = (end.potential_energy + kinetic_energy(end.r, inv) - U - kinetic_energy(r, inv)).item()
@@ -265,7 +270,7 @@ class _VectorizedRun:
             try:
                 out.append(self.kernel._engine.eager_value_and_grad(zc))
             except (RuntimeError, ValueError) as e:
-                if not _is_numerical_failure(e):
+                if not is_numerical_failure(e):
                     raise
                 out.append((torch.full_like(zc[0], float("nan")), torch.zeros_like(zc)))
         return torch.stack([u for u, _ in out]), torch.stack([g for _, g in out])
@@ -317,7 +322,7 @@ class _VectorizedRun:
                 try:
                     self.chains, draws, done, active = program(*inputs)
                 except (RuntimeError, ValueError) as e:
-                    if not _is_numerical_failure(e):
+                    if not is_numerical_failure(e):
                         raise
                     self.chains, draws, done, active = self._eager_advance(*inputs)
                 emitted = draws[done]  # (n, D + S), in call order

@@ -146,7 +146,7 @@ def from_model(
     if init_strategy is not None:
         kwargs["init_strategy"] = init_strategy
     try:
-        init, potential_fn, transforms, _ = initialize_model(
+        init, potential_fn, transforms, prototype = initialize_model(
             model,
             model_args,
             model_kwargs or {},
@@ -172,10 +172,28 @@ def from_model(
         raise
     if not init:
         raise ValueError("the model has no continuous latent sites to sample")
+    if initial_params is not None:
+        _check_initial_shapes(init, transforms, prototype)
     batch = () if num_chains == 1 or initial_params is not None else (num_chains,)
     layout = SiteLayout.of(init, batch_ndim=len(batch))
     zs = layout.pack({k: v.detach() for k, v in init.items()}, batch_shape=batch).reshape(-1, layout.dim)
     return FlatPotential(potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs)
+
+
+def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
+    """Raise a clear error unless each given (unconstrained) initial value has the shape of
+    its site in unconstrained space (Pyro itself does not check)."""
+    for name, value in initial_params.items():
+        node = prototype_trace.nodes.get(name)
+        if node is None:
+            raise ValueError(f"initial_params has a value for {name!r}, which is not a latent site of the model")
+        prototype = node["value"]
+        expected = (transforms[name](prototype) if name in transforms else prototype).shape
+        if torch.as_tensor(value).shape != expected:
+            raise ValueError(
+                f"initial value of site {name!r} has shape {tuple(torch.as_tensor(value).shape)}, "
+                f"expected {tuple(expected)} (unconstrained)"
+            )
 
 
 def from_potential_fn(potential_fn: Callable, initial_params, transforms=None) -> FlatPotential:

@@ -99,7 +99,9 @@ def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModul
     Raises :class:`UntraceableModel` if ``fn`` lets a value derived from its inputs escape
     into Python, or if ``make_fx`` itself cannot follow it. ``check_escapes=False`` skips
     the escape check (it costs as much as the trace itself) for functions known to be pure
-    tensor code, such as the sampler's own functions around an already checked gradient.
+    tensor code, such as the sampler's own functions around an already checked gradient;
+    those are traced on fake tensors, so no value is computed and a model that fails
+    numerically at the example inputs (a Cholesky beyond its support) still traces.
     """
 
     def tainted_fn(*inputs):
@@ -110,7 +112,10 @@ def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModul
 
     try:
         with _shared_fake_mode():
-            gm = make_fx(tainted_fn if check_escapes else fn, _error_on_data_dependent_ops=False)(*example_inputs)
+            if check_escapes:
+                gm = make_fx(tainted_fn, _error_on_data_dependent_ops=False)(*example_inputs)
+            else:
+                gm = make_fx(fn, tracing_mode="fake", _error_on_data_dependent_ops=False)(*example_inputs)
     except UntraceableModel:
         raise
     except Exception as e:  # make_fx failures come in many types; all mean "not traceable"

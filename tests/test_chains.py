@@ -1,0 +1,244 @@
+"""Tests of many chains in one process: the leaf-by-leaf NUTS/HMC state machine
+(pyro_hmc_plus.leafwise) against Stan's recursion, and pyro_hmc_plus.MCMC's vectorized runs
+against exact posteriors and against sequential chains (MCSE tolerances, fixed seeds)."""
+
+import math
+import warnings
+
+import arviz as az
+import numpy as np
+import pyro
+import pyro.distributions as dist
+import pytest
+import torch
+
+from pyro_hmc_plus import HMC, MCMC, NUTS, leafwise
+from pyro_hmc_plus.adaptation import dual_averaging_init
+from pyro_hmc_plus.hmc import HMCState
+from pyro_hmc_plus.metric import make_metric
+
+from helpers import Z, assert_mean, assert_variance, mcse_mean
+from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, PRECISION, eight_schools, gauss2d, normal_normal, normal_normal_posterior
+from test_nuts import PREC, stan_tree
+
+COV2 = torch.linalg.inv(PRECISION)
+
+
+def run(kernel, *args, num_chains=4, num_samples=500, warmup_steps=300, **kw):
+    mcmc = MCMC(kernel, num_samples=num_samples, warmup_steps=warmup_steps, num_chains=num_chains,
+                disable_progbar=True, **kw)
+    mcmc.run(*args)
+    return mcmc
+
+
+# ---------------------------------------------------------------------------- the state machine
+
+@pytest.mark.parametrize("step_size", [0.05, 0.3, 1.2, 3.0])
+def test_leafwise_transitions_match_stan_recursion(step_size):
+    """64 chains advanced one leaf per call: every chain's first transition has the tree depth,
+    leapfrog count and divergence of Stan's recursive algorithm from the same point, momentum
+    and directions (the directions are fed through the uniforms at the calls where each
+    subtree starts: leaf 0, then after 1, 3, 7, ... leaves)."""
+    torch.manual_seed(1)
+    C, D, K = 64, 3, 7
+
+    def value_and_grad(z):
+        return 0.5 * ((z @ PREC) * z).sum(-1), z @ PREC
+
+    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    metric = make_metric(inv_mass.expand(C, D).clone(), dense=False)
+    z = torch.randn(C, D, dtype=torch.float64)
+    noise = torch.randn(C, D, dtype=torch.float64)
+    flags = torch.rand(C, K) < 0.5
+    eps = torch.full((C,), step_size, dtype=torch.float64)
+    step = leafwise.StepSize(eps, dual_averaging_init(eps.log())._replace(t=torch.zeros_like(eps)))
+    chains = leafwise.nuts_init(HMCState(z, *value_and_grad(z)), metric, step, K)
+    like = torch.ones_like(eps)
+    schedule = leafwise.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
+                                 1e-10 * like, 1e10 * like)
+    first_draw = {}
+    for t in range(2**K):
+        u = torch.rand(C, leafwise.NUM_UNIFORMS, dtype=torch.float64)
+        u[:, leafwise.START_DIRECTION] = torch.where(flags[:, 0], 0.25, 0.75)
+        if (t + 2) & (t + 1) == 0 and int(math.log2(t + 2)) < K:  # a subtree ends at leaf 2**j - 1
+            u[:, leafwise.NEXT_DIRECTION] = torch.where(flags[:, int(math.log2(t + 2))], 0.25, 0.75)
+        chains, draw, done, active = leafwise.nuts_advance(value_and_grad, chains, noise, u, metric, schedule, K)
+        assert not (active & (chains.draws > 1)).any()  # paused after one draw
+        for c in done.nonzero().flatten().tolist():
+            first_draw[c] = draw[c]
+    assert len(first_draw) == C
+    col = {name: D + i for i, name in enumerate(leafwise.STAT_COLUMNS)}
+    for c in range(C):
+        expected = stan_tree(z[c], noise[c] * inv_mass.rsqrt(), step_size, inv_mass, flags[c].tolist(), K)
+        d = first_draw[c]
+        assert (int(d[col["tree_depth"]]), int(d[col["n_steps"]]), bool(d[col["diverging"]])) == expected
+
+
+# ---------------------------------------------------------------------------- MCMC, vectorized
+
+def test_vectorized_nuts_matches_sequential_chains_and_exact_posterior():
+    pyro.set_rng_seed(0)
+    vectorized = run(NUTS(gauss2d), chain_method="vectorized")
+    pyro.set_rng_seed(0)
+    sequential = run(NUTS(gauss2d), chain_method="sequential")
+    a = vectorized.get_samples()["q"].double().numpy()
+    b = sequential.get_samples()["q"].double().numpy()
+    assert a.shape == b.shape == (2000, 2)
+    for draws in (a, b):
+        assert_mean(draws, [0.0, 0.0])
+        assert_variance(draws, COV2.diagonal().tolist())
+    bound = Z * np.sqrt(mcse_mean(a) ** 2 + mcse_mean(b) ** 2)
+    assert (np.abs(a.mean(0) - b.mean(0)) <= bound).all()
+    assert vectorized.batch_utilisation > 0.9
+
+
+def test_chains_are_independent_and_mix():
+    x = torch.randn(20) + 3.0
+    pyro.set_rng_seed(1)
+    mcmc = run(NUTS(normal_normal), x)
+    mu = mcmc.get_samples(group_by_chain=True)["mu"]
+    assert mu.shape == (4, 500)
+    for i in range(4):
+        for j in range(i):
+            assert not torch.allclose(mu[i], mu[j])
+    corr = np.corrcoef(mu.double().numpy())[np.triu_indices(4, 1)]
+    assert np.abs(corr).max() < 0.2  # 500 draws: |r| of independent chains is ~0.05
+    assert float(az.rhat(mu.double().numpy())) < 1.02
+    mean, var = normal_normal_posterior(x)
+    assert_mean(mu.reshape(-1, 1).double().numpy(), mean)
+    assert_variance(mu.reshape(-1, 1).double().numpy(), var)
+
+
+def bimodal_potential(params):
+    """Two far-apart modes of very different widths (sd 0.1 at -20, sd 10 at +60): a chain
+    never crosses, so each adapts to the scale of the mode it starts in."""
+    x = params["x"]
+    narrow = dist.Normal(-20.0, 0.1).log_prob(x)
+    wide = dist.Normal(60.0, 10.0).log_prob(x)
+    return -torch.logaddexp(narrow, wide).sum()
+
+
+def test_each_chain_adapts_its_own_step_size_and_metric():
+    initial = {"x": torch.tensor([[-20.0], [60.0]])}
+    pyro.set_rng_seed(0)
+    mcmc = run(NUTS(potential_fn=bimodal_potential), num_chains=2, initial_params=initial)
+    inv_mass = mcmc.inverse_mass_matrix[:, 0]
+    assert 0.005 < inv_mass[0] < 0.02 and 50 < inv_mass[1] < 200  # the modes' variances, 0.01 and 100
+    x = mcmc.get_samples(group_by_chain=True)["x"][..., 0]
+    assert (x[0] < 0).all() and (x[1] > 0).all()
+    pyro.set_rng_seed(0)
+    fixed = run(NUTS(potential_fn=bimodal_potential, adapt_mass_matrix=False), num_chains=2, initial_params=initial)
+    assert 20 < fixed.step_size[1] / fixed.step_size[0] < 500  # ~100, the ratio of the widths
+    stats = fixed.kernel.sample_stats[-2:]
+    assert stats[0]["step_size"][-1] == pytest.approx(float(fixed.step_size[0]))
+
+
+def test_vectorized_hmc_exact_posterior_and_per_chain_steps():
+    pyro.set_rng_seed(2)
+    kernel = HMC(gauss2d, step_size=0.25, num_steps=10)
+    mcmc = run(kernel)
+    q = mcmc.get_samples()["q"].double().numpy()
+    assert_mean(q, [0.0, 0.0])
+    assert_variance(q, COV2.diagonal().tolist())
+    for chain, stats in enumerate(kernel.sample_stats[-4:]):  # steps follow each chain's step size
+        eps = stats["step_size"][-1]
+        assert stats["n_steps"][-1] == max(1, int(2.5 / eps))
+        assert eps == pytest.approx(float(mcmc.step_size[chain]))
+
+
+def test_plate_model_statistics_diagnostics_and_arviz():
+    pyro.set_rng_seed(3)
+    kernel = NUTS(eight_schools)
+    mcmc = run(kernel, EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA, num_samples=200, warmup_steps=200)
+    samples = mcmc.get_samples(group_by_chain=True)
+    assert samples["theta_raw"].shape == (4, 200, 8) and (samples["tau"] > 0).all()
+    diagnostics = mcmc.diagnostics()
+    assert set(diagnostics["divergences"]) == {f"chain {i}" for i in range(4)}
+    stats = kernel.sample_stats[-4:]
+    for chain, s in enumerate(stats):
+        assert len(s["lp"]) == 400 and sum(s["warmup"]) == 200
+        assert max(s["tree_depth"]) <= 10 and all(n >= 1 for n in s["n_steps"])
+        divergent = [i - 200 for i, d in enumerate(s["diverging"]) if d and i >= 200]
+        assert diagnostics["divergences"][f"chain {chain}"] == divergent
+    idata = az.from_pyro(mcmc)
+    assert idata.posterior["theta_raw"].shape == (4, 200, 8)
+    az.summary(idata)
+    mcmc.summary()
+
+
+def test_same_seed_same_draws():
+    def draws(seed):
+        pyro.set_rng_seed(seed)
+        return run(NUTS(gauss2d), num_chains=3, num_samples=30, warmup_steps=30).get_samples()["q"]
+
+    a, b, c = draws(5), draws(5), draws(6)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_interrupt_keeps_the_draws_made_so_far():
+    calls = []
+
+    def hook(kernel, params, stage, i):
+        calls.append(stage)
+        if len(calls) == 4 * 150:
+            raise KeyboardInterrupt
+
+    pyro.set_rng_seed(0)
+    with pytest.warns(RuntimeWarning, match="interrupted: draws per chain"):
+        mcmc = run(NUTS(gauss2d), num_samples=200, warmup_steps=100, hook_fn=hook)
+    q = mcmc.get_samples(group_by_chain=True)["q"]
+    assert q.shape[0] == 4 and 0 < q.shape[1] < 200
+    assert {s.split(" ")[0] for s in calls} == {"Warmup", "Sample"}
+    assert len(mcmc.kernel.sample_stats[-1]["lp"]) >= 100
+
+
+def failing_potential(params):
+    """A Gaussian whose potential raises (Cholesky of a non-PD matrix) beyond |x| = 2."""
+    x = params["x"]
+    m = torch.stack([torch.stack([torch.ones(()), torch.zeros(())]), torch.stack([torch.zeros(()), 4.0 - x[0] ** 2])])
+    return 0.5 * (x**2).sum() - torch.linalg.cholesky(m).diagonal().log().sum()
+
+
+@pytest.mark.parametrize("engine", ["auto", "eager"])
+def test_numerical_failure_in_one_chain_is_a_divergence(engine):
+    """Batched (vmapped) traced programs return NaN where the Cholesky fails; the eager batch
+    raises, and the call is redone chain by chain with NaN for the failing chain. Either way the
+    other chains carry on and the failing leaf is a divergence."""
+    pyro.set_rng_seed(0)
+    kernel = NUTS(potential_fn=failing_potential, step_size=0.5, adapt_step_size=False, engine=engine)
+    mcmc = run(kernel, num_samples=100, warmup_steps=0, initial_params={"x": torch.zeros(4, 1)})
+    x = mcmc.get_samples()["x"]
+    assert (x.abs() < 2).all()
+    assert sum(len(v) for v in mcmc.diagnostics()["divergences"].values()) > 0
+
+
+def test_initial_params_per_chain_and_potential_fn():
+    initial = {"x": torch.tensor([[-20.0], [60.0]])}
+    pyro.set_rng_seed(0)
+    mcmc = run(HMC(potential_fn=bimodal_potential, num_steps=5), num_chains=2, num_samples=20, warmup_steps=20,
+               initial_params=initial)
+    x = mcmc.get_samples(group_by_chain=True)["x"]
+    assert (x[0] < 0).all() and (x[1] > 0).all()
+
+
+def test_sequential_and_parallel_are_pyros():
+    pyro.set_rng_seed(0)
+    sequential = run(NUTS(gauss2d), num_chains=2, num_samples=50, warmup_steps=50, chain_method="sequential")
+    assert sequential.get_samples(group_by_chain=True)["q"].shape == (2, 50, 2)
+    assert sequential.batch_utilisation is None
+    parallel = run(NUTS(gauss2d), num_chains=1, num_samples=50, warmup_steps=50, chain_method="parallel")
+    assert parallel.get_samples()["q"].shape == (50, 2)
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError, match="chain_method"):
+        MCMC(NUTS(gauss2d), 10, chain_method="threads")
+    with pytest.raises(ValueError, match="needs a pyro_hmc_plus kernel"):
+        MCMC(pyro.infer.NUTS(gauss2d), 10, chain_method="vectorized")
+    with pytest.raises(ValueError, match="leading dimension"):
+        MCMC(NUTS(gauss2d), 10, num_chains=3, initial_params={"q": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="not finite"):
+        run(NUTS(gauss2d), num_chains=2, initial_params={"q": torch.tensor([[0.0, 0.0], [float("nan"), 0.0]])})
+    with pytest.raises(ValueError, match="expected"):
+        run(NUTS(gauss2d), num_chains=2, initial_params={"q": torch.zeros(2, 3)})
