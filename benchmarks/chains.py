@@ -70,7 +70,7 @@ def run_one(model_name, kernel_name, contender, num_chains, warmup, samples, see
     else:
         from pyro_hmc_plus import HMC, MCMC, NUTS
 
-        options = {"chain_method": contender}
+        options = {"chain_method": contender, "warn_on_problems": False}  # Pyro's MCMC has no checks either
     kernel = NUTS(model) if kernel_name == "nuts" else HMC(model, step_size=0.25, num_steps=10)
     mcmc = MCMC(kernel, num_samples=samples, warmup_steps=warmup, num_chains=num_chains,
                 disable_progbar=True, **options)

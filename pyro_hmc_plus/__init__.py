@@ -8,6 +8,7 @@ Pyro's tracing and autograd at every leapfrog step.
 
 from .engine import ENGINES, EngineFallbackWarning, GradientEngine
 from .kernels import HMC, NUTS
+from .inference_data import RunDiagnostics, SamplingWarning, diagnose, to_inference_data
 from .mcmc import MCMC
 from .potential import FlatPotential, SiteLayout, from_model, from_potential_fn
 from .tracing import UntraceableModel
@@ -21,8 +22,12 @@ __all__ = [
     "FlatPotential",
     "GradientEngine",
     "SiteLayout",
+    "RunDiagnostics",
+    "SamplingWarning",
     "UntraceableModel",
+    "diagnose",
     "from_model",
     "from_potential_fn",
+    "to_inference_data",
 ]
 __version__ = "0.1.0"

@@ -274,10 +274,14 @@ class HMC(MCMCKernel):
         )
 
     def diagnostics(self):
+        """Pyro's per-chain diagnostics, plus this chain's per-draw ``sample_stats`` (see
+        :attr:`sample_stats`): Pyro's ``MCMC`` collects this dict from every chain, worker
+        processes included, which is how :func:`pyro_hmc_plus.to_inference_data` finds them."""
         n = self._t - self._warmup_steps
         return {
             "divergences": list(self._divergences),
             "acceptance rate": self._accept_cnt / n if n > 0 else float("nan"),
+            "sample_stats": self._chain_stats[-1] if self._chain_stats else {},
         }
 
     @property

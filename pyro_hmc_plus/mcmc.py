@@ -31,6 +31,7 @@ from . import adaptation, leafwise
 from .hmc import HMCState
 from .integrator import IntegratorState, leapfrog
 from .engine import is_numerical_failure
+from .inference_data import diagnose, summary_table, to_inference_data
 from .kernels import HMC
 from .metric import kinetic_energy, make_metric, momentum, unit_metric
 
@@ -47,6 +48,9 @@ class MCMC(pyro.infer.MCMC):
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
         run (a chain starts its next transition within the call as soon as one ends).
+    :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
+        (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
+        and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
 
     After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
     batched gradient calls that did useful work (a chain idles only when it is finished or
@@ -71,6 +75,7 @@ class MCMC(pyro.infer.MCMC):
         chain_method=None,
         *,
         leaves_per_call: int = 4,
+        warn_on_problems: bool = True,
     ):
         ours = isinstance(kernel, HMC)
         if chain_method is None:
@@ -88,7 +93,8 @@ class MCMC(pyro.infer.MCMC):
             raise ValueError("leaves_per_call must be at least 1")
         self.chain_method = chain_method
         self.leaves_per_call = int(leaves_per_call)
-        self.batch_utilisation = self.step_size = self.inverse_mass_matrix = None
+        self.batch_utilisation = self.step_size = self.inverse_mass_matrix = self.warmup_samples = None
+        self.warn_on_problems = warn_on_problems
         if chain_method == "parallel":
             super().__init__(
                 kernel, num_samples, warmup_steps, initial_params, num_chains, hook_fn, mp_context,
@@ -123,7 +129,14 @@ class MCMC(pyro.infer.MCMC):
     @poutine.block
     def run(self, *args, **kwargs):
         if self.chain_method != "vectorized":
-            return super().run(*args, **kwargs)
+            super().run(*args, **kwargs)
+        else:
+            self._run_vectorized(args, kwargs)
+        drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
+        if self.warn_on_problems and isinstance(self.kernel, HMC) and drawn >= 4:
+            diagnose(self, warn=True)
+
+    def _run_vectorized(self, args, kwargs):
         self._args, self._kwargs = args, kwargs
         args = [arg.detach() if torch.is_tensor(arg) else arg for arg in args]
         initial = self._initial_params
@@ -145,6 +158,7 @@ class MCMC(pyro.infer.MCMC):
         layout = kernel._flat.layout
         D = layout.dim
         num_kept = min(max(len(r) - W, 0) for r in rows)
+        num_warmup_kept = min(min(len(r), W) for r in rows)
         for chain, r in enumerate(rows):
             stats = run.statistics(r)
             kernel._chain_stats.append(stats)
@@ -153,16 +167,35 @@ class MCMC(pyro.infer.MCMC):
                 "divergences": [i for i, d in enumerate(stats["diverging"][W:]) if d],
                 "acceptance rate": post[:, D + leafwise.STAT_COLUMNS.index("accepted")].double().mean().item()
                 if len(post) else float("nan"),
+                "sample_stats": stats,
             }
-        z = torch.stack([r[W : W + num_kept, :D] for r in rows])  # (C, N, D)
-        params = layout.unpack(z)
-        save_params = getattr(kernel, "save_params", None) or sorted(params)
         if self.transforms is None:
             self.transforms = kernel.transforms or {}
-        self._samples = {
+        self._samples = self._constrained(torch.stack([r[W : W + num_kept, :D] for r in rows]))
+        self.warmup_samples = self._constrained(torch.stack([r[:num_warmup_kept, :D] for r in rows]))
+
+    def _constrained(self, z: torch.Tensor) -> dict:
+        """Draws of the flat unconstrained vector ``(C, N, D)`` as Pyro's ``_samples``: a dict
+        of the saved sites in constrained space, ``(C, N) + site shape``."""
+        params = self.kernel._flat.layout.unpack(z)
+        save_params = getattr(self.kernel, "save_params", None) or sorted(params)
+        return {
             name: self.transforms[name].inv(params[name]) if name in self.transforms else params[name]
             for name in save_params
         }
+
+    # ------------------------------------------------------------------ ArviZ and diagnostics
+    def to_inference_data(self, **kwargs):
+        """ArviZ data for this run: :func:`pyro_hmc_plus.to_inference_data`."""
+        return to_inference_data(self, **kwargs)
+
+    def summary(self, prob=0.9):
+        """Pyro's summary table (mean, std, median, credible interval, Pyro's n_eff and
+        r_hat) with ArviZ's rank-normalised diagnostics beside it (bulk and tail ESS,
+        split R-hat, MCSE of the mean), then the number of divergences."""
+        print(summary_table(self._samples, prob).to_string(float_format=lambda x: f"{x:.3f}"))
+        if self._diagnostics and self._diagnostics[0] and "divergences" in self._diagnostics[0]:
+            print(f"\nNumber of divergences: {sum(len(d['divergences']) for d in self._diagnostics)}")
 
 
 class _VectorizedRun:

@@ -1,0 +1,324 @@
+"""ArviZ export and Stan-style run diagnostics for runs of this package's kernels.
+
+:func:`to_inference_data` turns a run -- driven by :class:`pyro_hmc_plus.MCMC` or by
+:class:`pyro.infer.MCMC` -- into ArviZ data with everything a sampler records: the posterior
+in constrained space (dims named after ``pyro.plate`` s where the shapes say so), every
+draw's sample statistics with Stan's names, warmup, pointwise log likelihood per observed
+site, observed and constant data. It is built with ArviZ's public ``from_dict``, so it works
+with ArviZ 0.x and stays clear of its internals.
+
+:func:`diagnose` checks a run the way Stan's ``diagnose`` does (divergences, maximum tree
+depth, E-BFMI, R-hat, bulk and tail ESS) and returns a structured report; with ``warn=True``
+it also emits one :class:`SamplingWarning` that names each problem and its usual remedy.
+
+Sample statistics travel with each chain's ``kernel.diagnostics()`` (Pyro collects that
+dict from every chain, also from worker processes), under ``"sample_stats"``:
+``lp`` is ``-U``, the log density of the *unconstrained* parameters up to a constant, with
+the log-Jacobian of the transforms included (Stan's ``lp__`` convention); ``energy`` is the
+Hamiltonian ``U + K`` at the draw.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import arviz as az
+import numpy as np
+import pyro
+import torch
+from pyro.poutine.util import site_is_subsample
+
+STAT_NAMES = ("lp", "energy", "diverging", "acceptance_rate", "step_size", "tree_depth", "n_steps",
+              "reached_max_treedepth")
+_STAT_DTYPES = {"diverging": bool, "reached_max_treedepth": bool, "tree_depth": np.int64, "n_steps": np.int64}
+
+
+class SamplingWarning(UserWarning):
+    """The run's diagnostics say its draws should not be trusted as they are."""
+
+
+def chain_sample_stats(mcmc) -> List[dict]:
+    """Each chain's per-draw statistics (dicts of lists, warmup included), in chain order.
+
+    Read from ``mcmc.diagnostics()``, where Pyro's ``MCMC`` keeps what each chain's kernel
+    reported: this works for sequential, multiprocess and vectorized runs alike. Chains are
+    ordered by number (``"chain 10"`` after ``"chain 9"``)."""
+    per_chain = mcmc.diagnostics().get("sample_stats")
+    if not per_chain:
+        raise ValueError(
+            "this run has no per-draw sample statistics: run pyro_hmc_plus.HMC or NUTS "
+            "(pyro.infer's kernels record only divergences; use arviz.from_pyro for them)"
+        )
+    return [per_chain[k] for k in sorted(per_chain, key=lambda k: int(k.split()[-1]))]
+
+
+def _split_stats(stats: List[dict], num_draws: int):
+    """``(warmup, post-warmup)`` dicts ``name -> (chains, draws)`` arrays; post-warmup
+    draws are cut to ``num_draws`` (an interrupted run keeps as many draws per chain)."""
+    num_warmup = min(sum(s["warmup"]) for s in stats)
+    names = [n for n in STAT_NAMES if n in stats[0]]
+
+    def stack(rows):
+        return {n: np.asarray([r[n] for r in rows], dtype=_STAT_DTYPES.get(n, np.float64)) for n in names}
+
+    warm = stack([{n: s[n][:num_warmup] for n in names} for s in stats])
+    post = []
+    for s in stats:
+        first = sum(s["warmup"])
+        post.append({n: s[n][first : first + num_draws] for n in names})
+    return warm, stack(post)
+
+
+def _model_trace(model, args, kwargs):
+    with torch.no_grad(), pyro.poutine.block():
+        return pyro.poutine.trace(model).get_trace(*args, **kwargs)
+
+
+def plate_dims(trace) -> Dict[str, List[str]]:
+    """Dimension names for each sample site: a ``pyro.plate`` 's name where the plate's
+    dimension and size match an axis of the site's value, ``<site>_dim_<i>`` elsewhere."""
+    dims = {}
+    for name, site in trace.nodes.items():
+        if site["type"] != "sample" or site_is_subsample(site):
+            continue
+        shape = tuple(torch.as_tensor(site["value"]).shape)
+        batch_ndim = len(shape) - len(site["fn"].event_shape)
+        names = [f"{name}_dim_{i}" for i in range(len(shape))]
+        for frame in site["cond_indep_stack"]:
+            if frame.dim is None or frame.vectorized is False:
+                continue
+            axis = batch_ndim + frame.dim
+            if 0 <= axis < batch_ndim and shape[axis] == frame.size:
+                names[axis] = frame.name
+        if shape:
+            dims[name] = names
+    return dims
+
+
+def to_inference_data(
+    mcmc,
+    *,
+    save_warmup: bool = False,
+    coords: Optional[dict] = None,
+    dims: Optional[dict] = None,
+    log_likelihood: bool = True,
+    constant_data: Optional[dict] = None,
+) -> "az.InferenceData":
+    """ArviZ data for a run of :class:`~pyro_hmc_plus.HMC` / :class:`~pyro_hmc_plus.NUTS`.
+
+    :param mcmc: a finished :class:`pyro_hmc_plus.MCMC` or :class:`pyro.infer.MCMC`.
+    :param bool save_warmup: also export ``warmup_sample_stats``, and ``warmup_posterior``
+        where the warmup draws were kept (:class:`pyro_hmc_plus.MCMC` keeps them;
+        ``pyro.infer.MCMC`` does not).
+    :param dict coords: ArviZ coordinates, ``{dim name: values}``.
+    :param dict dims: ``{site: [dim names]}``; sites not given get their ``pyro.plate`` names.
+    :param bool log_likelihood: pointwise log likelihood of every observed site (for
+        ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
+        ``pyro.infer.Predictive``.
+    :param dict constant_data: extra data to store (``{name: array}``).
+    """
+    samples = {k: v.detach().cpu().numpy() for k, v in mcmc.get_samples(group_by_chain=True).items()}
+    num_chains, num_draws = next(iter(samples.values())).shape[:2]
+    stats = chain_sample_stats(mcmc)
+    warm_stats, post_stats = _split_stats(stats, num_draws)
+    model = getattr(mcmc.kernel, "model", None)
+    args, kwargs = getattr(mcmc, "_args", None) or (), getattr(mcmc, "_kwargs", None) or {}
+    all_dims = {}
+    observed, loglik = {}, {}
+    if model is not None:
+        trace = _model_trace(model, args, kwargs)
+        all_dims = plate_dims(trace)
+        observed = {
+            name: site["value"].detach().cpu().numpy()
+            for name, site in trace.nodes.items()
+            if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
+        }
+        if log_likelihood and observed:
+            loglik = _pointwise_log_likelihood(model, args, kwargs, mcmc.get_samples(), observed, num_chains, num_draws)
+    all_dims.update(dims or {})
+    groups = dict(posterior=samples, sample_stats=post_stats)
+    if loglik:
+        groups["log_likelihood"] = loglik
+    if observed:
+        groups["observed_data"] = observed
+    if constant_data:
+        groups["constant_data"] = {k: np.asarray(v) for k, v in constant_data.items()}
+    if save_warmup:
+        groups["warmup_sample_stats"] = warm_stats
+        warmup_samples = getattr(mcmc, "warmup_samples", None)
+        if warmup_samples is not None:
+            groups["warmup_posterior"] = {k: v.detach().cpu().numpy() for k, v in warmup_samples.items()}
+        else:
+            warnings.warn(
+                "pyro.infer.MCMC does not keep warmup draws: exporting warmup sample statistics "
+                "only (run with pyro_hmc_plus.MCMC to get warmup_posterior too)",
+                UserWarning,
+                stacklevel=2,
+            )
+    used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values() if isinstance(g, dict))}
+    return az.from_dict(**groups, coords=coords, dims=used, save_warmup=save_warmup)
+
+
+def _pointwise_log_likelihood(model, args, kwargs, samples, observed, num_chains, num_draws):
+    """``{observed site: (chains, draws, *data shape)}`` log densities at each draw."""
+    try:
+        predictive = pyro.infer.Predictive(model, samples)
+        with torch.no_grad():
+            trace = predictive.get_vectorized_trace(*args, **kwargs)
+        out = {}
+        for name in observed:
+            site = trace.nodes[name]
+            log_p = site["fn"].log_prob(site["value"]).detach().cpu().numpy()
+            out[name] = log_p.reshape((num_chains, num_draws) + log_p.shape[1:])
+        return out
+    except Exception as e:  # a model that does not vectorise over draws
+        warnings.warn(
+            f"could not replay the model vectorised over the draws ({type(e).__name__}: {e}); "
+            "the log_likelihood group is left out (pass log_likelihood=False to silence this)",
+            UserWarning,
+            stacklevel=3,
+        )
+        return {}
+
+
+# ---------------------------------------------------------------------------- diagnostics
+EBFMI_THRESHOLD = 0.3
+RHAT_THRESHOLD = 1.01
+ESS_PER_CHAIN = 100
+
+
+@dataclass
+class RunDiagnostics:
+    """What :func:`diagnose` found. Per-chain lists are in chain order."""
+
+    num_chains: int
+    num_draws: int  # post-warmup draws per chain
+    divergences: List[int]  # divergent post-warmup transitions per chain
+    max_treedepth_hits: List[int]  # post-warmup draws that hit max_tree_depth, per chain (NUTS)
+    ebfmi: List[float]  # energy Bayesian fraction of missing information, per chain
+    max_rhat: float  # largest rank-normalised split R-hat over scalar parameters
+    high_rhat: List[str]  # parameters with R-hat above RHAT_THRESHOLD
+    low_ess_bulk: List[str]  # parameters with bulk ESS below ESS_PER_CHAIN per chain
+    low_ess_tail: List[str]
+    problems: List[str] = field(default_factory=list)  # one sentence per problem, with its remedy
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _names_where(dataset, predicate) -> List[str]:
+    names = []
+    for var, values in dataset.data_vars.items():
+        arr = np.asarray(values)
+        if arr.ndim == 0:
+            if predicate(arr):
+                names.append(var)
+            continue
+        for idx in zip(*np.nonzero(predicate(arr))):
+            names.append(f"{var}[{','.join(map(str, idx))}]")
+    return names
+
+
+def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
+    """Stan's checks of a finished run (an MCMC object or ArviZ data from
+    :func:`to_inference_data`): divergent transitions, draws at the maximum tree depth,
+    E-BFMI below 0.3 in any chain, R-hat above 1.01 (rank-normalised split R-hat, ArviZ) and
+    bulk or tail ESS below 100 per chain for any scalar parameter (Vehtari et al. 2021).
+    With ``warn=True`` the problems are also emitted as one :class:`SamplingWarning`."""
+    idata = run if isinstance(run, az.InferenceData) else to_inference_data(run, log_likelihood=False)
+    post, stats = idata.posterior, idata.sample_stats
+    num_chains, num_draws = post.sizes["chain"], post.sizes["draw"]
+    if num_draws < 4:
+        report = RunDiagnostics(num_chains, num_draws, [], [], [], float("nan"), [], [], [],
+                                [f"only {num_draws} draws per chain: too few to diagnose; run more draws"])
+        if warn:
+            warnings.warn(report.problems[0], SamplingWarning, stacklevel=2)
+        return report
+    diverging = np.asarray(stats["diverging"]).astype(bool)
+    divergences = diverging.sum(1).tolist()
+    hits = np.asarray(stats["reached_max_treedepth"]).sum(1).tolist() if "reached_max_treedepth" in stats else [0] * num_chains
+    ebfmi = np.atleast_1d(az.bfmi(idata)).tolist()
+    problems = []
+    if sum(divergences):
+        share = ", ".join(f"{d / num_draws:.1%}" for d in divergences)
+        problems.append(
+            f"{sum(divergences)} divergent transitions after warmup (per chain: {share}): the posterior "
+            "has regions the sampler cannot explore; reparametrise the model (e.g. non-centered "
+            "hierarchies) or raise target_accept_prob"
+        )
+    if sum(hits):
+        problems.append(
+            f"{sum(hits)} transitions hit the maximum tree depth (per chain: {hits}): raise "
+            "max_tree_depth, or reparametrise if the posterior is badly scaled"
+        )
+    low_bfmi = [c for c, e in enumerate(ebfmi) if e < EBFMI_THRESHOLD]
+    if low_bfmi:
+        problems.append(
+            f"E-BFMI below {EBFMI_THRESHOLD} in chains {low_bfmi} ({', '.join(f'{ebfmi[c]:.2f}' for c in low_bfmi)}): "
+            "the momentum resampling explores the energy poorly; reparametrise the model"
+        )
+    high_rhat, max_rhat = [], float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ArviZ warns about single chains itself
+        rhat = az.rhat(idata)
+        ess_bulk, ess_tail = az.ess(idata, method="bulk"), az.ess(idata, method="tail")
+    if num_chains > 1:
+        max_rhat = float(np.nanmax([np.nanmax(np.asarray(v)) for v in rhat.data_vars.values()]))
+        high_rhat = _names_where(rhat, lambda x: x > RHAT_THRESHOLD)
+    floor = ESS_PER_CHAIN * num_chains
+    low_bulk = _names_where(ess_bulk, lambda x: x < floor)
+    low_tail = _names_where(ess_tail, lambda x: x < floor)
+    if high_rhat:
+        problems.append(
+            f"R-hat above {RHAT_THRESHOLD} for {_listing(high_rhat)} (largest {max_rhat:.3f}): the chains "
+            "disagree; run longer or check for multimodality"
+        )
+    if low_bulk or low_tail:
+        problems.append(
+            f"ESS below {ESS_PER_CHAIN} per chain for {_listing(sorted(set(low_bulk) | set(low_tail)))}: "
+            "estimates are noisy; run more draws (or reparametrise if the chains mix slowly)"
+        )
+    report = RunDiagnostics(num_chains, num_draws, divergences, hits, ebfmi, max_rhat, high_rhat, low_bulk,
+                            low_tail, problems)
+    if warn and problems:
+        warnings.warn("sampling problems: " + "; ".join(problems) + ".", SamplingWarning, stacklevel=2)
+    return report
+
+
+def _listing(names: List[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def summary_table(samples: Dict[str, torch.Tensor], prob: float = 0.9):
+    """One row per scalar parameter: Pyro's summary columns (mean, std, median, the ``prob``
+    credible interval, Pyro's ``n_eff`` and ``r_hat``) and ArviZ's rank-normalised
+    diagnostics (``ess_bulk``, ``ess_tail``, ``r_hat_rank``, ``mcse_mean``), for draws grouped
+    by chain ``(C, N) + site shape``. A pandas DataFrame."""
+    import pandas as pd
+    from pyro.infer.mcmc.util import summary
+
+    pyro_stats = summary(samples, prob=prob, group_by_chain=True)
+    rows, index = [], []
+    for name in sorted(samples):
+        value = samples[name].detach().cpu().double()
+        site_shape = value.shape[2:]
+        flat = value.reshape(value.shape[:2] + (-1,)).numpy()
+        columns = {k: v.reshape(-1).double().numpy() for k, v in pyro_stats[name].items()}
+        for j in range(flat.shape[-1]):
+            draws = flat[..., j]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                arviz_stats = {
+                    "ess_bulk": float(az.ess(draws, method="bulk")),
+                    "ess_tail": float(az.ess(draws, method="tail")),
+                    "r_hat_rank": float(az.rhat(draws)) if draws.shape[0] > 1 else float("nan"),
+                    "mcse_mean": float(az.mcse(draws)),
+                }
+            rows.append({**{k: float(v[j]) for k, v in columns.items()}, **arviz_stats})
+            idx = np.unravel_index(j, site_shape) if site_shape else ()
+            index.append(f"{name}[{','.join(map(str, idx))}]" if site_shape else name)
+    return pd.DataFrame(rows, index=index)
