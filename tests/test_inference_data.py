@@ -1,0 +1,149 @@
+"""Tests of the ArviZ export and the run diagnostics (pyro_hmc_plus.inference_data)."""
+
+import warnings
+
+import arviz as az
+import matplotlib
+import numpy as np
+import pyro
+import pytest
+import torch
+from pyro.infer.mcmc.util import initialize_model
+
+from pyro_hmc_plus import MCMC, NUTS, SamplingWarning, diagnose, to_inference_data
+
+from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, eight_schools, eight_schools_centered, gamma_poisson
+
+matplotlib.use("Agg")
+
+STATS = {"lp": np.floating, "energy": np.floating, "diverging": np.bool_, "acceptance_rate": np.floating,
+         "step_size": np.floating, "tree_depth": np.integer, "n_steps": np.integer, "reached_max_treedepth": np.bool_}
+
+
+@pytest.fixture(scope="module")
+def schools_run():
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(eight_schools), num_samples=200, warmup_steps=150, num_chains=4, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    return mcmc
+
+
+def test_export_has_every_group_with_shapes_dtypes_and_plate_dims(schools_run):
+    idata = to_inference_data(schools_run, save_warmup=True, constant_data={"sigma": EIGHT_SCHOOLS_SIGMA.numpy()})
+    for group in ("posterior", "sample_stats", "warmup_posterior", "warmup_sample_stats", "log_likelihood",
+                  "observed_data", "constant_data"):
+        assert hasattr(idata, group), group
+    post = idata.posterior
+    assert post["mu"].shape == (4, 200) and post["tau"].shape == (4, 200)
+    assert post["theta_raw"].dims == ("chain", "draw", "schools") and post["theta_raw"].shape == (4, 200, 8)
+    assert (post["tau"] > 0).all()
+    for group in (idata.sample_stats, idata.warmup_sample_stats):
+        for name, kind in STATS.items():
+            assert np.issubdtype(group[name].dtype, kind), name
+    assert idata.sample_stats["lp"].shape == (4, 200)
+    assert idata.warmup_sample_stats["lp"].shape == (4, 150)
+    assert idata.warmup_posterior["theta_raw"].shape == (4, 150, 8)
+    assert idata.log_likelihood["y"].dims == ("chain", "draw", "schools")
+    np.testing.assert_array_equal(idata.observed_data["y"], EIGHT_SCHOOLS_Y.numpy())
+    np.testing.assert_array_equal(idata.constant_data["sigma"], EIGHT_SCHOOLS_SIGMA.numpy())
+    # the exported statistics are the kernel's, chain by chain
+    for chain, stats in enumerate(schools_run.kernel.sample_stats[-4:]):
+        np.testing.assert_allclose(idata.sample_stats["lp"][chain], stats["lp"][150:])
+        np.testing.assert_array_equal(idata.sample_stats["n_steps"][chain], stats["n_steps"][150:])
+    # user dims override the plates'
+    renamed = to_inference_data(schools_run, dims={"theta_raw": ["school"]}, coords={"school": list("ABCDEFGH")})
+    assert renamed.posterior["theta_raw"].dims == ("chain", "draw", "school")
+
+
+def test_arviz_functions_and_plots_run(schools_run, tmp_path):
+    import matplotlib.pyplot as plt
+
+    idata = schools_run.to_inference_data()
+    az.summary(idata)
+    assert np.all(np.isfinite(az.bfmi(idata)))
+    az.ess(idata)
+    az.rhat(idata)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pareto k warnings on 8 observations
+        loo = az.loo(idata)
+    assert np.isfinite(loo.elpd_loo)
+    az.plot_trace(idata, var_names=["mu", "tau"])
+    az.plot_energy(idata)
+    az.plot_pair(idata, var_names=["mu", "tau"], divergences=True)
+    plt.savefig(tmp_path / "pair.png")
+    plt.close("all")
+    assert (tmp_path / "pair.png").stat().st_size > 0
+
+
+def test_chain_order_with_twelve_chains():
+    pyro.set_rng_seed(1)
+    mcmc = MCMC(NUTS(eight_schools), num_samples=20, warmup_steps=20, num_chains=12, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    idata = to_inference_data(mcmc)
+    stats = mcmc.kernel.sample_stats[-12:]
+    for chain in range(12):
+        np.testing.assert_allclose(idata.sample_stats["lp"][chain], stats[chain]["lp"][20:])
+        np.testing.assert_allclose(idata.posterior["mu"][chain], mcmc.get_samples(group_by_chain=True)["mu"][chain])
+
+
+def test_lp_is_minus_the_potential_energy_with_jacobian_under_pyro_mcmc():
+    """Driven by pyro.infer.MCMC (statistics travel through Pyro's per-chain diagnostics):
+    lp of each draw equals -U of Pyro's own potential at the draw's unconstrained value."""
+    y = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0])
+    pyro.set_rng_seed(2)
+    mcmc = pyro.infer.MCMC(NUTS(gamma_poisson), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True)
+    mcmc.run(y)
+    idata = to_inference_data(mcmc)
+    _, potential_fn, transforms, _ = initialize_model(gamma_poisson, (y,))
+    rate = mcmc.get_samples(group_by_chain=True)["rate"]
+    for chain in range(2):
+        for draw in (0, 17, 49):
+            u = transforms["rate"](rate[chain, draw])
+            expected = -potential_fn({"rate": u}).item()
+            assert idata.sample_stats["lp"][chain, draw].item() == pytest.approx(expected, rel=1e-4, abs=1e-4)
+    assert az.from_pyro(mcmc).sample_stats["diverging"].shape == (2, 50)  # ArviZ's own converter still works
+    with pytest.warns(UserWarning, match="does not keep warmup draws"):
+        warm = to_inference_data(mcmc, save_warmup=True)
+    assert warm.warmup_sample_stats["lp"].shape == (2, 50) and not hasattr(warm, "warmup_posterior")
+
+
+def test_divergences_warning_on_centered_schools_only():
+    def run(model, seed):
+        pyro.set_rng_seed(seed)
+        mcmc = MCMC(NUTS(model), num_samples=400, warmup_steps=400, num_chains=4, disable_progbar=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+        messages = [str(w.message) for w in caught if issubclass(w.category, SamplingWarning)]
+        return mcmc, messages
+
+    centered, messages = run(eight_schools_centered, 0)
+    assert len(messages) == 1 and "divergent transitions" in messages[0] and "target_accept_prob" in messages[0]
+    report = diagnose(centered)
+    flagged = to_inference_data(centered, log_likelihood=False).sample_stats["diverging"].values
+    reported = centered.diagnostics()["divergences"]
+    for chain in range(4):
+        assert np.flatnonzero(flagged[chain]).tolist() == reported[f"chain {chain}"]
+    assert report.divergences == [len(reported[f"chain {c}"]) for c in range(4)] and sum(report.divergences) > 0
+    assert not report.ok and len(report.ebfmi) == 4
+
+    _, messages = run(eight_schools, 0)
+    assert not any("divergent" in m for m in messages)
+
+
+def test_summary_prints_pyro_and_arviz_columns(schools_run, capsys):
+    schools_run.summary()
+    out = capsys.readouterr().out
+    for column in ("mean", "median", "n_eff", "ess_bulk", "ess_tail", "r_hat_rank", "mcse_mean"):
+        assert column in out
+    assert "theta_raw[7]" in out and "Number of divergences" in out
+
+
+def test_kernels_without_statistics_get_a_clear_error():
+    pyro.set_rng_seed(0)
+    mcmc = pyro.infer.MCMC(pyro.infer.NUTS(gamma_poisson), num_samples=10, warmup_steps=10, disable_progbar=True)
+    mcmc.run(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="no per-draw sample statistics"):
+        to_inference_data(mcmc)
