@@ -11,3 +11,14 @@ def test_classic_question_example_runs():
         capture_output=True, text=True, check=True, timeout=600,
     )
     assert "speed-up" in out.stdout
+
+
+def test_eight_schools_example_runs_and_saves_figures(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "eight_schools.py"), "--num-samples", "100", "--out", str(tmp_path)],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    assert "centered:" in out.stdout and "divergences per chain" in out.stdout
+    for name in ("centered", "non_centered"):
+        for kind in ("trace", "energy", "pair"):
+            assert (tmp_path / f"{name}_{kind}.png").stat().st_size > 0
