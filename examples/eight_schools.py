@@ -18,38 +18,21 @@ import warnings
 import arviz as az
 import numpy as np
 import pyro
-import pyro.distributions as dist
-import torch
 
 from pyro_hmc_plus import MCMC, NUTS, SamplingWarning, diagnose, to_inference_data
-
-Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])  # estimated treatment effects
-SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])  # their standard errors
-
-
-def centered(y, sigma):
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-    with pyro.plate("school", len(y)):
-        theta = pyro.sample("theta", dist.Normal(mu, tau))
-        pyro.sample("y", dist.Normal(theta, sigma), obs=y)
-
-
-def non_centered(y, sigma):
-    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-    with pyro.plate("school", len(y)):
-        theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
-        theta = pyro.deterministic("theta", mu + tau * theta_raw)
-        pyro.sample("y", dist.Normal(theta, sigma), obs=y)
-
+from pyro_hmc_plus.models import (
+    EIGHT_SCHOOLS_SIGMA,
+    EIGHT_SCHOOLS_Y,
+    eight_schools_centered,
+    eight_schools_non_centered,
+)
 
 def fit(model, num_samples):
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(model), num_samples=num_samples, warmup_steps=num_samples, num_chains=4, disable_progbar=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", SamplingWarning)
-        mcmc.run(Y, SIGMA)
+        mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
     for w in caught:
         if issubclass(w.category, SamplingWarning):
             print(f"  warning: {w.message}")
@@ -79,7 +62,8 @@ def main():
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("figures"))
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args()
-    for name, model, theta in (("centered", centered, "theta"), ("non_centered", non_centered, "theta_raw")):
+    for name, model, theta in (("centered", eight_schools_centered, "theta"),
+                               ("non_centered", eight_schools_non_centered, "theta_raw")):
         print(f"{name}:")
         mcmc = fit(model, args.num_samples)
         idata = to_inference_data(mcmc)

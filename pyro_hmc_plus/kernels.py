@@ -501,11 +501,22 @@ class HMC(MCMCKernel):
         return leafwise.hmc_init(state, metric, step_size)
 
     def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule):
+        if self._fixed_trajectories():
+            return leafwise.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
         return leafwise.hmc_advance(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length)
+
+    def _fixed_trajectories(self) -> bool:
+        """Every chain's trajectory has the same, short length (no step-size adaptation): a
+        batched call runs whole transitions, fused."""
+        return not self.adapt_step_size and self.num_steps <= self.max_unroll
+
+    def _steps_per_round(self) -> int:
+        """Leapfrog steps per chain in one round of :meth:`_chains_advance`."""
+        return self.num_steps if self._fixed_trajectories() else 1
 
     def _chains_settings(self) -> tuple:
         """What the batched program depends on besides its inputs' shapes."""
-        return (self.trajectory_length,)
+        return (self.trajectory_length, self._fixed_trajectories())
 
     def _integrate(self, start: IntegratorState, step_size, inverse_mass, num_steps=None) -> IntegratorState:
         """``num_steps`` leapfrog steps as a few fused blocks of at most ``max_unroll`` steps.
@@ -803,6 +814,9 @@ class NUTS(HMC):
 
     def _chains_settings(self) -> tuple:
         return self._program_settings()
+
+    def _steps_per_round(self) -> int:
+        return 1
 
     # ------------------------------------------------------------------ the transition
     def _transition(self, warmup: bool):

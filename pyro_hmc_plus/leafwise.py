@@ -44,7 +44,7 @@ import torch
 
 from . import nuts
 from .adaptation import DualAveragingState, dual_averaging_update
-from .hmc import MAX_ENERGY_ERROR, HMCState, metropolis
+from .hmc import MAX_ENERGY_ERROR, HMCState, hmc_step, metropolis
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, momentum, velocity
 
@@ -331,3 +331,35 @@ def hmc_advance(
         draws=draws,
     )
     return advanced, draw, done, active
+
+
+def hmc_transitions(
+    value_and_grad: Callable,
+    chains: HMCChains,
+    noise: torch.Tensor,
+    uniforms: torch.Tensor,
+    metric: Metric,
+    schedule: Schedule,
+    num_steps: int,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+):
+    """A whole trajectory of ``num_steps`` fused leapfrog steps for every chain that is not
+    paused, when all chains' trajectories have that length (the step size is not adapted):
+    then running them together wastes nothing, and the per-step bookkeeping of
+    :func:`hmc_advance` is not needed. Same arguments and results as :func:`hmc_advance`."""
+    c = chains
+    active = c.draws < schedule.pause_at
+
+    def integrate(start, step_size, inverse_mass):
+        return leapfrog(value_and_grad, start, step_size, inverse_mass, num_steps)
+
+    moved, info = hmc_step(integrate, c.position, noise, uniforms[..., LEAF_DRAW].log(), c.step_size.value, metric,
+                           max_energy_error)
+    f = moved.z.dtype
+    draw = torch.cat([
+        moved.z,
+        torch.stack([info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(f),
+                     info.accepted.to(f), c.step_size.value, torch.full_like(info.energy, num_steps),
+                     torch.zeros_like(info.energy)], -1),
+    ], -1)
+    return c._replace(position=_where(active, moved, c.position), draws=c.draws + active.to(torch.int64)), draw, active, active

@@ -42,12 +42,14 @@ class MCMC(pyro.infer.MCMC):
     """:class:`pyro.infer.MCMC` with ``chain_method``; the same constructor and methods.
 
     :param str chain_method: ``"vectorized"`` (default for :class:`~pyro_hmc_plus.HMC` and
-        :class:`~pyro_hmc_plus.NUTS`): all chains in one batch, each at its own pace;
+        :class:`~pyro_hmc_plus.NUTS` with several chains; one chain runs ``"sequential"``):
+        all chains in one batch, each at its own pace;
         ``"sequential"``: one chain after another (Pyro's way without processes);
         ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
-        run (a chain starts its next transition within the call as soon as one ends).
+        run (a chain starts its next transition within the call as soon as one ends; HMC
+        without step-size adaptation runs at least one whole trajectory per call).
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
         (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
         and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
@@ -78,8 +80,8 @@ class MCMC(pyro.infer.MCMC):
         warn_on_problems: bool = True,
     ):
         ours = isinstance(kernel, HMC)
-        if chain_method is None:
-            chain_method = "vectorized" if ours else "parallel"
+        if chain_method is None:  # one chain: the kernel's own fused transitions beat one leaf per call
+            chain_method = ("vectorized" if num_chains > 1 else "sequential") if ours else "parallel"
         if chain_method not in CHAIN_METHODS:
             raise ValueError(f"chain_method must be one of {CHAIN_METHODS}, got {chain_method!r}")
         if chain_method == "vectorized" and not ours:
@@ -214,6 +216,7 @@ class _VectorizedRun:
         k = self.kernel
         k._reset()
         k._warmup_steps = self.W
+        self.T = max(1, self.T // k._steps_per_round())  # rounds per call
         zs = k._build_potential(args, kwargs, initial, self.C)
         flat = k._flat
         self.layout, self.D = flat.layout, flat.dim

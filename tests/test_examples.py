@@ -2,12 +2,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_classic_question_example_runs():
+def test_classic_question_example_runs(tmp_path):
     out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "classic_question.py"), "--num-samples", "100"],
+        [sys.executable, str(ROOT / "examples" / "classic_question.py"), "--num-samples", "100", "--out", str(tmp_path)],
         capture_output=True, text=True, check=True, timeout=600,
     )
     assert "speed-up" in out.stdout
@@ -22,3 +24,28 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
     for name in ("centered", "non_centered"):
         for kind in ("trace", "energy", "pair"):
             assert (tmp_path / f"{name}_{kind}.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "script, expected",
+    [
+        ("logistic_regression.py", "accuracy of the posterior-mean classifier"),
+        ("hierarchical.py", "('chain', 'draw', 'groups')"),
+        ("gaussian_process.py", "relevant inputs [0, 1]"),
+        ("potential_fn.py", "E[s]"),
+    ],
+)
+def test_examples_run_in_fast_mode(script, expected):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), "--num-samples", "100", "--no-plots"],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    assert expected in out.stdout
+
+
+def test_demo_command_runs():
+    out = subprocess.run(
+        ["pyro-hmc-plus", "demo", "--num-samples", "100", "--no-plots"],
+        capture_output=True, text=True, check=True, timeout=600,
+    )
+    assert "speed-up" in out.stdout and "exact mean" in out.stdout and "r_hat" in out.stdout

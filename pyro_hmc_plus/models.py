@@ -1,0 +1,127 @@
+"""The example models: what ``pyro-hmc-plus demo --model`` and the scripts in ``examples/``
+fit. Each is a plain Pyro model with its data (fixed by a seeded generator), returned as a
+:class:`Problem`."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import pyro
+import pyro.distributions as dist
+import torch
+
+
+class Problem(NamedTuple):
+    model: Callable
+    args: tuple
+    description: str
+    exact_mean: Optional[dict] = None  # {site: mean} where the posterior is known exactly
+    exact_sd: Optional[dict] = None
+    truth: Optional[dict] = None  # {site: value} that generated simulated data
+
+
+CLASSIC_PRECISION = torch.tensor([[10.25, -9.74], [-9.74, 10.25]])  # correlation ~0.95
+
+
+def classic_gaussian():
+    """The forum question's target: a 2-D Gaussian with correlation ~0.95."""
+    pyro.sample("q", dist.MultivariateNormal(torch.zeros(2), precision_matrix=CLASSIC_PRECISION))
+
+
+def eight_schools_centered(y, sigma):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("school", len(y)):
+        theta = pyro.sample("theta", dist.Normal(mu, tau))
+        pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+
+def eight_schools_non_centered(y, sigma):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+    with pyro.plate("school", len(y)):
+        theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+        theta = pyro.deterministic("theta", mu + tau * theta_raw)
+        pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+
+EIGHT_SCHOOLS_Y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])  # treatment effects
+EIGHT_SCHOOLS_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])  # their standard errors
+
+
+def logistic_regression(x, y):
+    """Bayesian logistic regression with a Normal(0, 1) prior on every coefficient."""
+    w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+    b = pyro.sample("b", dist.Normal(0.0, 5.0))
+    with pyro.plate("data", x.shape[0]):
+        pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
+
+
+def hierarchical_intercepts(x, group, y):
+    """Varying intercepts per group (non-centered), a common slope: ``y ~ N(a[group] + beta x, sigma_y)``."""
+    num_groups = int(group.max()) + 1
+    mu_a = pyro.sample("mu_a", dist.Normal(0.0, 5.0))
+    sigma_a = pyro.sample("sigma_a", dist.HalfNormal(2.0))
+    beta = pyro.sample("beta", dist.Normal(0.0, 5.0))
+    sigma_y = pyro.sample("sigma_y", dist.HalfNormal(2.0))
+    with pyro.plate("groups", num_groups):
+        a_raw = pyro.sample("a_raw", dist.Normal(0.0, 1.0))
+    a = mu_a + sigma_a * a_raw
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(a[group] + beta * x, sigma_y), obs=y)
+
+
+def gp_regression(x, y):
+    """A fully Bayesian Gaussian process (squared-exponential kernel) with one inverse
+    lengthscale per input dimension under a half-Cauchy prior: sparsity-inducing, so inputs
+    that do not matter get inverse lengthscales near 0 (the model Bayesian-optimisation
+    libraries fit with NUTS). Marginal likelihood by Cholesky, ``O(n^3)`` per gradient."""
+    n, d = x.shape
+    inv_lengthscale = pyro.sample("inv_lengthscale", dist.HalfCauchy(torch.ones(d)).to_event(1))
+    outputscale = pyro.sample("outputscale", dist.LogNormal(0.0, 1.0))
+    noise = pyro.sample("noise", dist.LogNormal(-2.0, 1.0))
+    scaled = x * inv_lengthscale
+    sq_dist = (scaled.unsqueeze(-2) - scaled.unsqueeze(-3)).pow(2).sum(-1)
+    cov = outputscale * torch.exp(-0.5 * sq_dist) + (noise + 1e-6) * torch.eye(n)
+    pyro.sample("y", dist.MultivariateNormal(torch.zeros(n), scale_tril=torch.linalg.cholesky(cov)), obs=y)
+
+
+def problem(name: str) -> Problem:
+    """The named example problem: ``classic``, ``eight_schools``, ``eight_schools_centered``,
+    ``logistic``, ``hierarchical`` or ``gp``."""
+    g = torch.Generator().manual_seed(0)
+    if name == "classic":
+        sd = torch.linalg.inv(CLASSIC_PRECISION).diagonal().sqrt()
+        return Problem(classic_gaussian, (), "2-D Gaussian, correlation 0.95 (the classic question)",
+                       {"q": torch.zeros(2)}, {"q": sd})
+    if name == "eight_schools":
+        return Problem(eight_schools_non_centered, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), "eight schools, non-centered")
+    if name == "eight_schools_centered":
+        return Problem(eight_schools_centered, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), "eight schools, centered")
+    if name == "logistic":
+        n, d = 1000, 10
+        x = torch.randn(n, d, generator=g)
+        w = torch.randn(d, generator=g) * 0.5
+        y = torch.bernoulli(torch.sigmoid(x @ w - 0.3), generator=g)
+        return Problem(logistic_regression, (x, y), f"logistic regression, N={n}, D={d}",
+                       truth={"w": w, "b": torch.tensor(-0.3)})
+    if name == "hierarchical":
+        groups, per_group = 40, 10
+        group = torch.arange(groups).repeat_interleave(per_group)
+        x = torch.randn(groups * per_group, generator=g)
+        a = 1.0 + 0.7 * torch.randn(groups, generator=g)
+        y = a[group] - 0.6 * x + 0.8 * torch.randn(groups * per_group, generator=g)
+        return Problem(hierarchical_intercepts, (x, group, y), f"varying intercepts, {groups} groups",
+                       truth={"mu_a": torch.tensor(1.0), "sigma_a": torch.tensor(0.7), "beta": torch.tensor(-0.6),
+                              "sigma_y": torch.tensor(0.8)})
+    if name == "gp":
+        n, d = 40, 4
+        x = torch.rand(n, d, generator=g) * 2 - 1
+        f = torch.sin(3 * x[:, 0]) + 0.5 * x[:, 1]  # only the first two inputs matter
+        y = f + 0.1 * torch.randn(n, generator=g)
+        return Problem(gp_regression, (x, y), f"GP regression, n={n}, {d} inputs (2 relevant)",
+                       truth={"noise": torch.tensor(0.01)})
+    raise ValueError(f"unknown example problem {name!r}; choose from {PROBLEMS}")
+
+
+PROBLEMS = ("classic", "eight_schools", "eight_schools_centered", "logistic", "hierarchical", "gp")
