@@ -27,6 +27,7 @@ from pyro_hmc_plus.models import (
     eight_schools_non_centered,
 )
 
+
 def fit(model, num_samples):
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(model), num_samples=num_samples, warmup_steps=num_samples, num_chains=4, disable_progbar=True)
