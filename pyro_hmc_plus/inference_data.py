@@ -24,7 +24,6 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-import arviz as az
 import numpy as np
 import pyro
 import torch
@@ -105,8 +104,8 @@ def to_inference_data(
     dims: Optional[dict] = None,
     log_likelihood: bool = True,
     constant_data: Optional[dict] = None,
-) -> "az.InferenceData":
-    """ArviZ data for a run of :class:`~pyro_hmc_plus.HMC` / :class:`~pyro_hmc_plus.NUTS`.
+):
+    """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) for a run of :class:`~pyro_hmc_plus.HMC` / :class:`~pyro_hmc_plus.NUTS`.
 
     :param mcmc: a finished :class:`pyro_hmc_plus.MCMC` or :class:`pyro.infer.MCMC`.
     :param bool save_warmup: also export ``warmup_sample_stats``, and ``warmup_posterior``
@@ -157,8 +156,18 @@ def to_inference_data(
                 UserWarning,
                 stacklevel=2,
             )
-    used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values() if isinstance(g, dict))}
-    return az.from_dict(**groups, coords=coords, dims=used, save_warmup=save_warmup)
+    used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values())}
+    return _from_dict(groups, coords, used, save_warmup)
+
+
+def _from_dict(groups: dict, coords, dims, save_warmup: bool):
+    """ArviZ's public ``from_dict``: keyword groups in ArviZ 0.x (``InferenceData``), one dict
+    of groups in ArviZ 1.x (``DataTree``)."""
+    import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
+
+    if int(az.__version__.split(".")[0]) >= 1:
+        return az.from_dict(groups, coords=coords, dims=dims, save_warmup=save_warmup)
+    return az.from_dict(**groups, coords=coords, dims=dims, save_warmup=save_warmup)
 
 
 def _pointwise_log_likelihood(model, args, kwargs, samples, observed, num_chains, num_draws):
@@ -228,7 +237,9 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     E-BFMI below 0.3 in any chain, R-hat above 1.01 (rank-normalised split R-hat, ArviZ) and
     bulk or tail ESS below 100 per chain for any scalar parameter (Vehtari et al. 2021).
     With ``warn=True`` the problems are also emitted as one :class:`SamplingWarning`."""
-    idata = run if isinstance(run, az.InferenceData) else to_inference_data(run, log_likelihood=False)
+    import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
+
+    idata = run if hasattr(run, "posterior") else to_inference_data(run, log_likelihood=False)
     post, stats = idata.posterior, idata.sample_stats
     num_chains, num_draws = post.sizes["chain"], post.sizes["draw"]
     if num_draws < 4:
@@ -298,6 +309,8 @@ def summary_table(samples: Dict[str, torch.Tensor], prob: float = 0.9):
     credible interval, Pyro's ``n_eff`` and ``r_hat``) and ArviZ's rank-normalised
     diagnostics (``ess_bulk``, ``ess_tail``, ``r_hat_rank``, ``mcse_mean``), for draws grouped
     by chain ``(C, N) + site shape``. A pandas DataFrame."""
+    import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
+
     import pandas as pd
     from pyro.infer.mcmc.util import summary
 

@@ -157,8 +157,7 @@ class MCMC(pyro.infer.MCMC):
         """Pyro's results (``_samples`` in constrained space, per-chain ``_diagnostics``) and
         the kernel's ``sample_stats`` from each chain's rows of draws and statistics."""
         kernel, W = self.kernel, self.warmup_steps
-        layout = kernel._flat.layout
-        D = layout.dim
+        D = kernel._flat.dim
         num_kept = min(max(len(r) - W, 0) for r in rows)
         num_warmup_kept = min(min(len(r), W) for r in rows)
         for chain, r in enumerate(rows):
