@@ -231,12 +231,13 @@ def _names_where(dataset, predicate) -> List[str]:
     return names
 
 
-def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
+def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
     """Stan's checks of a finished run (an MCMC object or ArviZ data from
     :func:`to_inference_data`): divergent transitions, draws at the maximum tree depth,
     E-BFMI below 0.3 in any chain, R-hat above 1.01 (rank-normalised split R-hat, ArviZ) and
     bulk or tail ESS below 100 per chain for any scalar parameter (Vehtari et al. 2021).
-    With ``warn=True`` the problems are also emitted as one :class:`SamplingWarning`."""
+    With ``warn=True`` the problems are also emitted as one :class:`SamplingWarning`
+    (``stacklevel`` as for :func:`warnings.warn`)."""
     import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
 
     idata = run if hasattr(run, "posterior") else to_inference_data(run, log_likelihood=False)
@@ -246,7 +247,7 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
         report = RunDiagnostics(num_chains, num_draws, [], [], [], float("nan"), [], [], [],
                                 [f"only {num_draws} draws per chain: too few to diagnose; run more draws"])
         if warn:
-            warnings.warn(report.problems[0], SamplingWarning, stacklevel=2)
+            warnings.warn(report.problems[0], SamplingWarning, stacklevel=stacklevel)
         return report
     diverging = np.asarray(stats["diverging"]).astype(bool)
     divergences = diverging.sum(1).tolist()
@@ -284,7 +285,7 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     low_tail = _names_where(ess_tail, lambda x: x < floor)
     if high_rhat:
         problems.append(
-            f"R-hat above {RHAT_THRESHOLD} for {_listing(high_rhat)} (largest {max_rhat:.3f}): the chains "
+            f"R-hat above {RHAT_THRESHOLD} for {_listing(high_rhat)} (largest {max_rhat:.4f}): the chains "
             "disagree; run longer or check for multimodality"
         )
     if low_bulk or low_tail:
@@ -295,7 +296,7 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     report = RunDiagnostics(num_chains, num_draws, divergences, hits, ebfmi, max_rhat, high_rhat, low_bulk,
                             low_tail, problems)
     if warn and problems:
-        warnings.warn("sampling problems: " + "; ".join(problems) + ".", SamplingWarning, stacklevel=2)
+        warnings.warn("sampling problems: " + "; ".join(problems) + ".", SamplingWarning, stacklevel=stacklevel)
     return report
 
 

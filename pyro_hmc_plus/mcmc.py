@@ -136,7 +136,7 @@ class MCMC(pyro.infer.MCMC):
             self._run_vectorized(args, kwargs)
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
         if self.warn_on_problems and isinstance(self.kernel, HMC) and drawn >= 4:
-            diagnose(self, warn=True)
+            diagnose(self, warn=True, stacklevel=4)  # the caller of run(), past Pyro's poutine.block wrapper
 
     def _run_vectorized(self, args, kwargs):
         self._args, self._kwargs = args, kwargs
@@ -364,15 +364,18 @@ class _VectorizedRun:
                 chain_of = done.nonzero()[:, 1].tolist()
                 useful += int(active.sum())
                 slots += T * C
+                sampling = []  # which emitted draws are post-warmup (the bar counts their divergences)
                 for row, c in zip(emitted, chain_of):
                     if hook is not None:
                         i = counts[c]
                         stage = "Warmup" if i < self.W else "Sample"
                         hook(k, self.layout.unpack(row[:D]), f"{stage} [{c}]" if C > 1 else stage,
                              i if i < self.W else i - self.W)
+                    sampling.append(counts[c] >= self.W)
                     rows[c].append(row)
                     counts[c] += 1
-                divergences += int(emitted[:, D + leafwise.STAT_COLUMNS.index("diverging")].sum())
+                diverging = emitted[:, D + leafwise.STAT_COLUMNS.index("diverging")].bool()
+                divergences += int((diverging & torch.tensor(sampling, dtype=torch.bool)).sum())
                 for c in range(C):
                     if counts[c] == pause_at[c] and counts[c] < self.total:
                         window = next(w for w in self.metric_updates if w.end + 1 == counts[c])
