@@ -40,69 +40,39 @@ CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor")
 
 
 def make_problem(name: str):
-    """``(model, args)`` for a Pyro model; data are fixed by a seeded generator."""
-    import pyro
-    import pyro.distributions as dist
+    """``(model, args, calls)`` for a Pyro model of ``pyro_hmc_plus.models`` with this
+    benchmark's data (fixed by a seeded generator); ``calls["n"]`` counts model executions."""
     import torch
+
+    from pyro_hmc_plus import models
 
     g = torch.Generator().manual_seed(0)
     calls = {"n": 0}
 
+    def counted(fn):
+        def model(*args):
+            calls["n"] += 1
+            return fn(*args)
+
+        return model
+
     if name == "gauss2d":
-        precision = torch.tensor([[10.25, -9.74], [-9.74, 10.25]])
-
-        def model():
-            calls["n"] += 1
-            pyro.sample("q", dist.MultivariateNormal(torch.zeros(2), precision_matrix=precision))
-
-        return model, (), calls
+        return counted(models.classic_gaussian), (), calls
     if name == "eight_schools":
-        y = torch.tensor([28.0, 8.0, -3.0, 7.0, -1.0, 1.0, 18.0, 12.0])
-        sigma = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.0])
-
-        def model(y, sigma):
-            calls["n"] += 1
-            mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-            tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-            with pyro.plate("schools", len(y)):
-                theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
-                pyro.sample("y", dist.Normal(mu + tau * theta_raw, sigma), obs=y)
-
-        return model, (y, sigma), calls
+        return counted(models.eight_schools_non_centered), (models.EIGHT_SCHOOLS_Y, models.EIGHT_SCHOOLS_SIGMA), calls
     if name == "logistic":
         n, d = 5000, 25
         x = torch.randn(n, d, generator=g)
         w = torch.randn(d, generator=g) * 0.5
         y = torch.bernoulli(torch.sigmoid(x @ w), generator=g)
-
-        def model(x, y):
-            calls["n"] += 1
-            w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
-            b = pyro.sample("b", dist.Normal(0.0, 1.0))
-            with pyro.plate("data", len(y)):
-                pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
-
-        return model, (x, y), calls
+        return counted(models.logistic_regression), (x, y), calls
     if name == "hierarchical":  # radon-like: 96 groups, 10 observations each
         groups, per_group = 96, 10
         group = torch.arange(groups).repeat_interleave(per_group)
         x = torch.randn(groups * per_group, generator=g)
         a = 1.0 + 0.7 * torch.randn(groups, generator=g)
         y = a[group] - 0.6 * x + 0.8 * torch.randn(groups * per_group, generator=g)
-
-        def model(x, group, y):
-            calls["n"] += 1
-            mu_a = pyro.sample("mu_a", dist.Normal(0.0, 5.0))
-            sigma_a = pyro.sample("sigma_a", dist.HalfNormal(2.0))
-            beta = pyro.sample("beta", dist.Normal(0.0, 5.0))
-            sigma_y = pyro.sample("sigma_y", dist.HalfNormal(2.0))
-            with pyro.plate("groups", groups):
-                a_raw = pyro.sample("a_raw", dist.Normal(0.0, 1.0))
-            a = mu_a + sigma_a * a_raw
-            with pyro.plate("data", len(y)):
-                pyro.sample("y", dist.Normal(a[group] + beta * x, sigma_y), obs=y)
-
-        return model, (x, group, y), calls
+        return counted(models.hierarchical_intercepts), (x, group, y), calls
     raise ValueError(name)
 
 

@@ -50,9 +50,9 @@ EIGHT_SCHOOLS_SIGMA = torch.tensor([15.0, 10.0, 16.0, 11.0, 9.0, 11.0, 10.0, 18.
 
 
 def logistic_regression(x, y):
-    """Bayesian logistic regression with a Normal(0, 1) prior on every coefficient."""
+    """Bayesian logistic regression with Normal(0, 1) priors on the coefficients and intercept."""
     w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
-    b = pyro.sample("b", dist.Normal(0.0, 5.0))
+    b = pyro.sample("b", dist.Normal(0.0, 1.0))
     with pyro.plate("data", x.shape[0]):
         pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
 
