@@ -386,11 +386,7 @@ class _VectorizedRun:
                 now = time.monotonic()
                 if now - last_postfix > 0.5 and not disable_progbar:
                     last_postfix = now
-                    steps = self.chains.step_size.value
-                    bar.set_description("Warmup" if min(counts) < self.W else "Sample")
-                    bar.set_postfix_str(
-                        f"divergences={divergences}, step size={steps.min().item():.2e}..{steps.max().item():.2e}"
-                    )
+                    self._describe(bar, counts, divergences)
         except KeyboardInterrupt:
             kept = [max(n - self.W, 0) for n in counts]
             warnings.warn(
@@ -400,9 +396,18 @@ class _VectorizedRun:
                 stacklevel=4,
             )
         finally:
+            if not disable_progbar:
+                self._describe(bar, counts, divergences)
             bar.close()
             self.utilisation = useful / slots if slots else float("nan")
         return [torch.stack(r) if r else z.new_zeros(0, D + leafwise.NUM_STATS) for r in rows]
+
+    def _describe(self, bar, counts, divergences: int) -> None:
+        """The progress bar's phase (until every chain is past warmup), post-warmup
+        divergences so far and the range of the chains' step sizes."""
+        steps = self.chains.step_size.value
+        bar.set_description("Warmup" if min(counts) < self.W else "Sample", refresh=False)
+        bar.set_postfix_str(f"divergences={divergences}, step size={steps.min().item():.2e}..{steps.max().item():.2e}")
 
     def statistics(self, rows: torch.Tensor) -> dict:
         """One chain's per-draw statistics, with the kernel's (Stan's) names, as lists."""

@@ -242,3 +242,13 @@ def test_invalid_arguments():
         run(NUTS(gauss2d), num_chains=2, initial_params={"q": torch.tensor([[0.0, 0.0], [float("nan"), 0.0]])})
     with pytest.raises(ValueError, match="expected"):
         run(NUTS(gauss2d), num_chains=2, initial_params={"q": torch.zeros(2, 3)})
+
+
+def test_progress_bar_shows_phase_divergences_and_step_sizes(capsys):
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(gauss2d), num_samples=40, warmup_steps=40, num_chains=2, disable_progbar=False,
+                warn_on_problems=False)
+    mcmc.run()
+    err = capsys.readouterr().err
+    assert "Sample" in err and "160/160" in err
+    assert "divergences=" in err and "step size=" in err
