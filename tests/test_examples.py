@@ -1,3 +1,4 @@
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,8 +45,9 @@ def test_examples_run_in_fast_mode(script, expected):
 
 
 def test_demo_command_runs():
+    command = [shutil.which("pyro-hmc-plus")] if shutil.which("pyro-hmc-plus") else [sys.executable, "-m", "pyro_hmc_plus.cli"]
     out = subprocess.run(
-        ["pyro-hmc-plus", "demo", "--num-samples", "100", "--no-plots"],
+        [*command, "demo", "--num-samples", "100", "--no-plots"],
         capture_output=True, text=True, check=True, timeout=600,
     )
     assert "speed-up" in out.stdout and "exact mean" in out.stdout and "r_hat" in out.stdout
