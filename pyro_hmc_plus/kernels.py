@@ -160,6 +160,7 @@ class HMC(MCMCKernel):
         self._engine = None
         self._flat = None
         self._chain_stats = []  # one dict of lists per chain run by this kernel object
+        self._programs = {}  # built programs, kept for the next chain while the engine is the same
         self._reset()
 
     # ------------------------------------------------------------------ pickling
@@ -204,7 +205,6 @@ class HMC(MCMCKernel):
         self._state = None
         self._warmup_steps = 0
         self._step_size = self._init_step_size
-        self._programs = {}
 
     def setup(self, warmup_steps, *args, **kwargs):
         initial = self._initial_params
@@ -246,6 +246,7 @@ class HMC(MCMCKernel):
         if key not in self._engines or self._engines[key].flat.layout != flat.layout:
             self._engines = {key: GradientEngine(flat, self.engine)}
             self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
+            self._programs = {}  # programs of another model or data
         self._engine = self._engines[key]
         self._flat = flat
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)
