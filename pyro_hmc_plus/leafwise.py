@@ -43,6 +43,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import nuts
+from .nuts import select
 from .adaptation import DualAveragingState, dual_averaging_update
 from .hmc import MAX_ENERGY_ERROR, HMCState, hmc_step, metropolis
 from .integrator import IntegratorState, leapfrog
@@ -91,10 +92,6 @@ class NUTSChains(NamedTuple):
     draws: torch.Tensor  # int64: draws made so far (warmup included)
 
 
-def _where(mask: torch.Tensor, a, b):
-    return nuts._select(mask, a, b)
-
-
 # Columns of a call's ``uniforms (C, NUM_UNIFORMS)``.
 START_DIRECTION, LEAF_DRAW, TREE_DRAW, SLICE, NEXT_DIRECTION = range(5)
 NUM_UNIFORMS = 5
@@ -137,7 +134,24 @@ def _adapted(step_size: StepSize, accept_prob, adapt, finishing_warmup, schedule
     dual = dual_averaging_update(step_size.dual, accept_prob, schedule.target_accept)
     value = torch.minimum(torch.maximum(dual.log_step_size.exp(), schedule.min_step_size), schedule.max_step_size)
     value = torch.where(finishing_warmup, dual.log_step_size_avg.exp(), value)
-    return _where(adapt, StepSize(value, dual), step_size)
+    return select(adapt, StepSize(value, dual), step_size)
+
+
+def _draw_row(z: torch.Tensor, info, step_size, n_steps, tree_depth) -> torch.Tensor:
+    """A finished transition's draw ``z`` and its statistics (:data:`STAT_COLUMNS`) as one
+    ``(C, D + NUM_STATS)`` row per chain: one tensor for the host to read."""
+    f = z.dtype
+    stats = [info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(f), info.accepted.to(f),
+             step_size, n_steps.to(f), tree_depth.to(f)]
+    return torch.cat([z, torch.stack(stats, -1)], -1)
+
+
+def _counted_and_adapted(chains, done, accept_prob, schedule: Schedule):
+    """Each chain's draw count after this call's finished transitions, and its step size
+    after dual averaging on those that were warmup draws."""
+    draws = chains.draws + done.to(torch.int64)
+    adapt = done & (chains.draws < schedule.adapt_until)
+    return draws, _adapted(chains.step_size, accept_prob, adapt, draws == schedule.adapt_until, schedule)
 
 
 def _level_masks(n: torch.Tensor, K: int):
@@ -172,7 +186,7 @@ def nuts_advance(
     K = max_tree_depth
     active = c.draws < schedule.pause_at
     fresh = _new_transitions(c.position, noise, uniforms, metric, multinomial)
-    tree, forward, start = _where(c.starting, fresh, (c.tree, c.forward, c.leaf))
+    tree, forward, start = select(c.starting, fresh, (c.tree, c.forward, c.leaf))
     eps = nuts.signed_step_size(c.step_size.value, forward)
     leaf = leapfrog(value_and_grad, start, eps, inv, 1)
 
@@ -186,7 +200,7 @@ def nuts_advance(
     log_w = delta if multinomial else torch.where(excess <= 0, torch.zeros_like(delta), torch.full_like(delta, -float("inf")))
     log_weight = torch.logaddexp(c.log_weight, log_w)
     take = uniforms[..., LEAF_DRAW] < torch.exp(log_w - log_weight)
-    proposal = _where(take, HMCState(leaf.z, leaf.potential_energy, leaf.grad), c.proposal)
+    proposal = select(take, HMCState(leaf.z, leaf.potential_energy, leaf.grad), c.proposal)
     proposal_energy = torch.where(take, H, c.proposal_energy)
     sum_accept = c.sum_accept + torch.exp(delta.clamp(max=0.0))
     rho = c.rho + leaf.r
@@ -222,15 +236,8 @@ def nuts_advance(
 
     # the draw of a finished transition
     info = nuts.info(grown)
-    f = leaf.z.dtype
-    draw = torch.cat([
-        grown.proposal.z,
-        torch.stack([info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(f),
-                     info.accepted.to(f), c.step_size.value, info.n_steps.to(f), info.tree_depth.to(f)], -1),
-    ], -1)
-    draws = c.draws + done.to(torch.int64)
-    adapt = done & (c.draws < schedule.adapt_until)
-    step_size = _adapted(c.step_size, info.acceptance_prob, adapt, draws == schedule.adapt_until, schedule)
+    draw = _draw_row(grown.proposal.z, info, c.step_size.value, info.n_steps, info.tree_depth)
+    draws, step_size = _counted_and_adapted(c, done, info.acceptance_prob, schedule)
 
     # what each chain builds next: the same subtree, a new subtree, or (next call) a new
     # transition. A paused chain is always about to start a transition (it pauses right after
@@ -239,11 +246,11 @@ def nuts_advance(
     new_forward = uniforms[..., NEXT_DIRECTION] < 0.5
     reset = subtree_over | ~active
     advanced = NUTSChains(
-        position=_where(done, grown.proposal, c.position),
+        position=select(done, grown.proposal, c.position),
         starting=done | ~active,
-        tree=_where(subtree_over, grown, tree),
+        tree=select(subtree_over, grown, tree),
         forward=torch.where(subtree_over, new_forward, forward),
-        leaf=_where(subtree_over, nuts.subtree_start(grown, new_forward), leaf),
+        leaf=select(subtree_over, nuts.subtree_start(grown, new_forward), leaf),
         n_leaves=torch.where(reset, torch.zeros_like(n), n + 1),
         rho=torch.where(reset.unsqueeze(-1), torch.zeros_like(rho), rho),
         log_weight=torch.where(reset, torch.full_like(log_weight, -float("inf")), log_weight),
@@ -305,24 +312,17 @@ def hmc_advance(
     c = chains
     active = c.draws < schedule.pause_at
     fresh = _start_trajectories(c.position, noise, metric)
-    start, H0 = _where(c.starting, fresh, (c.leaf, c.H0))
+    start, H0 = select(c.starting, fresh, (c.leaf, c.H0))
     n_steps = torch.where(c.starting, torch.zeros_like(c.n_steps), c.n_steps) + 1
     leaf = leapfrog(value_and_grad, start, c.step_size.value, metric.inverse_mass, 1)
     num_steps = _trajectory_steps(c.step_size.value, trajectory_length)
     done = active & (n_steps >= num_steps)
     moved, info = metropolis(c.position, H0, leaf, uniforms[..., LEAF_DRAW].log(), metric, max_energy_error)
-    f = leaf.z.dtype
-    draw = torch.cat([
-        moved.z,
-        torch.stack([info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(f),
-                     info.accepted.to(f), c.step_size.value, n_steps.to(f), torch.zeros_like(info.energy)], -1),
-    ], -1)
-    draws = c.draws + done.to(torch.int64)
-    adapt = done & (c.draws < schedule.adapt_until)
-    step_size = _adapted(c.step_size, info.acceptance_prob, adapt, draws == schedule.adapt_until, schedule)
+    draw = _draw_row(moved.z, info, c.step_size.value, n_steps, torch.zeros_like(n_steps))
+    draws, step_size = _counted_and_adapted(c, done, info.acceptance_prob, schedule)
     # a paused chain is about to start a trajectory, which rebuilds everything but its position
     advanced = HMCChains(
-        position=_where(done, moved, c.position),
+        position=select(done, moved, c.position),
         starting=done | ~active,
         leaf=leaf,
         H0=H0,
@@ -355,11 +355,6 @@ def hmc_transitions(
 
     moved, info = hmc_step(integrate, c.position, noise, uniforms[..., LEAF_DRAW].log(), c.step_size.value, metric,
                            max_energy_error)
-    f = moved.z.dtype
-    draw = torch.cat([
-        moved.z,
-        torch.stack([info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(f),
-                     info.accepted.to(f), c.step_size.value, torch.full_like(info.energy, num_steps),
-                     torch.zeros_like(info.energy)], -1),
-    ], -1)
-    return c._replace(position=_where(active, moved, c.position), draws=c.draws + active.to(torch.int64)), draw, active, active
+    steps = torch.full_like(c.draws, num_steps)
+    draw = _draw_row(moved.z, info, c.step_size.value, steps, torch.zeros_like(steps))
+    return c._replace(position=select(active, moved, c.position), draws=c.draws + active.to(torch.int64)), draw, active, active

@@ -109,13 +109,13 @@ def _joins_without_u_turn(v_a0, v_a1, p_a1, rho_a, v_b0, v_b1, p_b0, rho_b):
     return ((v_ends * rho).sum(-1) > 0).all(-1)
 
 
-def _select(mask: torch.Tensor, a, b, _masks=None):
+def select(mask: torch.Tensor, a, b, _masks=None):
     """``a`` where ``mask`` else ``b``, field by field through nested records; ``mask`` has
     the batch shape. (The mask is reshaped once per field rank: in a traced program every
     view is an operation with its own overhead.)"""
     masks = {mask.dim(): mask} if _masks is None else _masks
     if isinstance(a, tuple):
-        fields = (_select(mask, x, y, masks) for x, y in zip(a, b))
+        fields = (select(mask, x, y, masks) for x, y in zip(a, b))
         return tuple(fields) if type(a) is tuple else type(a)(*fields)
     m = masks.get(a.dim())
     if m is None:
@@ -275,7 +275,7 @@ def merge_subtrees(first: Subtree, second: Subtree, u: torch.Tensor, inverse_mas
         p_last=second.p_last,
         rho=first.rho + second.rho,
         log_weight=log_weight,
-        proposal=_select(take, second.proposal, first.proposal),
+        proposal=select(take, second.proposal, first.proposal),
         proposal_energy=torch.where(take, second.proposal_energy, first.proposal_energy),
         n_steps=first.n_steps + torch.where(counted, second.n_steps, torch.zeros_like(second.n_steps)),
         sum_accept=first.sum_accept + torch.where(counted, second.sum_accept, zero),
@@ -320,7 +320,7 @@ def extend_tree(
         ends=ends,
         rho=tree.rho + subtree.rho,
         log_weight=torch.where(valid, torch.logaddexp(tree.log_weight, subtree.log_weight), tree.log_weight),
-        proposal=_select(take, subtree.proposal, tree.proposal),
+        proposal=select(take, subtree.proposal, tree.proposal),
         proposal_energy=torch.where(take, subtree.proposal_energy, tree.proposal_energy),
         H0=tree.H0,
         log_slice=tree.log_slice,
@@ -331,7 +331,7 @@ def extend_tree(
         accepted=tree.accepted | take,
         done=~valid | turning | (depth >= max_tree_depth),
     )
-    return _select(tree.done, tree, extended) if keep_done else extended
+    return select(tree.done, tree, extended) if keep_done else extended
 
 
 def doubling(
