@@ -41,16 +41,17 @@ class SamplingWarning(UserWarning):
 def chain_sample_stats(mcmc) -> List[dict]:
     """Each chain's per-draw statistics (dicts of lists, warmup included), in chain order.
 
-    Read from ``mcmc.diagnostics()``, where Pyro's ``MCMC`` keeps what each chain's kernel
-    reported: this works for sequential, multiprocess and vectorized runs alike. Chains are
-    ordered by number (``"chain 10"`` after ``"chain 9"``)."""
-    per_chain = mcmc.diagnostics().get("sample_stats")
-    if not per_chain:
+    Read from the per-chain diagnostics that Pyro's ``MCMC`` keeps, in chain order, from what
+    each chain's kernel reported (``_diagnostics``, which ``mcmc.diagnostics()`` merges; read
+    directly because that method also computes ESS and R-hat of every site): this works for
+    sequential, multiprocess and vectorized runs alike."""
+    per_chain = [d.get("sample_stats") if d else None for d in getattr(mcmc, "_diagnostics", None) or [None]]
+    if not all(per_chain):
         raise ValueError(
             "this run has no per-draw sample statistics: run pyro_hmc_plus.HMC or NUTS "
             "(pyro.infer's kernels record only divergences; use arviz.from_pyro for them)"
         )
-    return [per_chain[k] for k in sorted(per_chain, key=lambda k: int(k.split()[-1]))]
+    return per_chain
 
 
 def _split_stats(stats: List[dict], num_draws: int):
