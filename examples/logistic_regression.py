@@ -10,7 +10,6 @@ import pathlib
 
 import arviz as az
 import pyro
-import torch
 
 from pyro_hmc_plus import MCMC, NUTS
 from pyro_hmc_plus.models import problem

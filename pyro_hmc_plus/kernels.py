@@ -10,7 +10,6 @@ import math
 import numbers
 from collections import OrderedDict
 
-import pyro
 import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel

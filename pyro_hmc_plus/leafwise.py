@@ -44,7 +44,7 @@ import torch
 
 from . import nuts
 from .nuts import select
-from .adaptation import DualAveragingState, dual_averaging_update
+from .adaptation import DualAveragingState, dual_averaging_init, dual_averaging_update
 from .hmc import MAX_ENERGY_ERROR, HMCState, hmc_step, metropolis
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, momentum, velocity
@@ -70,6 +70,11 @@ class StepSize(NamedTuple):
 
     value: torch.Tensor
     dual: DualAveragingState
+
+    @staticmethod
+    def start(value: torch.Tensor) -> "StepSize":
+        """Step sizes ``value (C,)`` with dual averaging started afresh from them."""
+        return StepSize(value, dual_averaging_init(value.log())._replace(t=torch.zeros_like(value)))
 
 
 class NUTSChains(NamedTuple):

@@ -33,6 +33,7 @@ from .integrator import IntegratorState, leapfrog
 from .engine import is_numerical_failure
 from .inference_data import diagnose, summary_table, to_inference_data
 from .kernels import HMC
+from .nuts import select
 from .metric import kinetic_energy, make_metric, momentum, unit_metric
 
 CHAIN_METHODS = ("vectorized", "sequential", "parallel")
@@ -233,8 +234,7 @@ class _VectorizedRun:
         if k.adapt_step_size and self.W > 0:
             step = torch.stack([torch.tensor(self._reasonable_step_size(state, c, k._init_step_size)) for c in range(self.C)])
             step = step.to(dtype=flat.dtype, device=flat.device)
-        dual = adaptation.dual_averaging_init(step.log())._replace(t=torch.zeros_like(step))
-        self.chains = k._chains_init(state, self.metric, leafwise.StepSize(step, dual))
+        self.chains = k._chains_init(state, self.metric, leafwise.StepSize.start(step))
         like = torch.ones_like(step)
         self.schedule = leafwise.Schedule(
             pause_at=torch.tensor([self._next_pause(0)] * self.C, device=flat.device),
@@ -327,12 +327,10 @@ class _VectorizedRun:
             field[c] = value
         if k.adapt_step_size:
             eps = self._reasonable_step_size(self.chains.position, c, self.chains.step_size.value[c].item())
-            value = self.chains.step_size.value.clone()
-            value[c] = eps
-            fresh = adaptation.dual_averaging_init(value.log())._replace(t=torch.zeros_like(value))
-            dual = tuple(torch.where(torch.arange(self.C, device=value.device) == c, a, b)
-                         for a, b in zip(fresh, self.chains.step_size.dual))
-            self.chains = self.chains._replace(step_size=leafwise.StepSize(value, adaptation.DualAveragingState(*dual)))
+            step = self.chains.step_size
+            this_chain = torch.arange(self.C, device=step.value.device) == c
+            fresh = leafwise.StepSize.start(torch.full_like(step.value, eps))
+            self.chains = self.chains._replace(step_size=select(this_chain, fresh, step))
 
     # ------------------------------------------------------------------ the run
     def sample(self, args, kwargs, initial, hook, disable_progbar) -> List[torch.Tensor]:

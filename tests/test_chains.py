@@ -3,7 +3,6 @@
 against exact posteriors and against sequential chains (MCSE tolerances, fixed seeds)."""
 
 import math
-import warnings
 
 import arviz as az
 import numpy as np
@@ -13,7 +12,6 @@ import pytest
 import torch
 
 from pyro_hmc_plus import HMC, MCMC, NUTS, leafwise
-from pyro_hmc_plus.adaptation import dual_averaging_init
 from pyro_hmc_plus.hmc import HMCState
 from pyro_hmc_plus.metric import make_metric
 
@@ -51,7 +49,7 @@ def test_leafwise_transitions_match_stan_recursion(step_size):
     noise = torch.randn(C, D, dtype=torch.float64)
     flags = torch.rand(C, K) < 0.5
     eps = torch.full((C,), step_size, dtype=torch.float64)
-    step = leafwise.StepSize(eps, dual_averaging_init(eps.log())._replace(t=torch.zeros_like(eps)))
+    step = leafwise.StepSize.start(eps)
     chains = leafwise.nuts_init(HMCState(z, *value_and_grad(z)), metric, step, K)
     like = torch.ones_like(eps)
     schedule = leafwise.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
