@@ -2,12 +2,13 @@
 private torch entry points, each with a public fallback (tested in tests/test_compile.py
 so a torch upgrade that breaks them is caught).
 
-- :func:`torchscript`: ``torch.jit.trace`` of the graph. Milliseconds to build; removes
-  FX's Python interpreter from every op.
 - :func:`inductor`: ``torch._inductor.compile`` with the C++ wrapper, which skips
   ``torch.compile``'s front end (guards, frame evaluation: 14-37 us per call on CPU, more
   than a small model's whole gradient). If that private function is missing, the public
   ``torch.compile(fullgraph=True, dynamic=False)``.
+- :func:`outside_jit_trace`: pauses a ``torch.jit.trace`` recording (``torch._C``'s tracing
+  state), so that a graph needed by the program being recorded can be built with
+  ``make_fx`` in the middle of it.
 - :func:`aot_compile` / :func:`aot_load`: AOTInductor (``torch.export`` +
   ``torch._inductor.aoti_compile_and_package``) into an on-disk cache keyed by the graph,
   so that a later process loads the compiled program in milliseconds instead of compiling
@@ -17,6 +18,7 @@ so a torch upgrade that breaks them is caught).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -27,10 +29,23 @@ import warnings
 import torch
 
 
-def torchscript(gm: torch.fx.GraphModule, example_inputs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return torch.jit.trace(gm, tuple(example_inputs), check_trace=False, strict=False)
+@contextlib.contextmanager
+def outside_jit_trace():
+    """Run the body as if no ``torch.jit.trace`` were recording (restored afterwards); where
+    torch lacks the private state accessors, raise :class:`NotImplementedError`."""
+    get = getattr(torch._C, "_get_tracing_state", None)
+    set_ = getattr(torch._C, "_set_tracing_state", None)
+    if get is None or set_ is None:
+        if torch.jit.is_tracing():
+            raise NotImplementedError("cannot pause torch.jit.trace in this torch version")
+        yield
+        return
+    state = get()
+    set_(None)
+    try:
+        yield
+    finally:
+        set_(state)
 
 
 def inductor(gm: torch.fx.GraphModule, example_inputs):

@@ -4,10 +4,11 @@ around it, into programs built once and reused for every step.
 Engines (``engine=`` on the kernels):
 
 ``"trace"``
-    Trace ``(U, dU/dz)`` once with ``make_fx`` (refusing latent-dependent Python values, see
-    :mod:`pyro_hmc_plus.tracing`), inline it into the sampler's function (a block of
-    leapfrog steps, a whole transition), fold constants, and run the result with
-    ``torch.jit.trace``. Ready in a fraction of a second.
+    Trace ``(U, dU/dz)`` once with ``make_fx`` into a folded graph of aten ops (refusing
+    latent-dependent Python values, see :mod:`pyro_hmc_plus.tracing`), then record each of
+    the sampler's functions around it (a block of leapfrog steps, a whole transition, a NUTS
+    doubling) with the gradient inlined, as one ``torch.jit.trace`` program. Ready in a
+    fraction of a second.
 ``"aot"``
     The same graph compiled ahead of time to C++ by AOTInductor and kept in an on-disk
     cache (``$PYRO_HMC_PLUS_CACHE``, default ``~/.cache/pyro_hmc_plus``): the first run
@@ -105,7 +106,7 @@ class GradientEngine:
         self._gradient_key = None
         self.fallback_reason = None
         self._graph = None
-        self._vmappable = True
+        self._batched_graphs = {}  # batch size -> graph (or None: not vmappable)
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -122,16 +123,29 @@ class GradientEngine:
         if z.dim() == 1:
             return self._graph(z)
         batch, flat_z = z.shape[:-1], z.reshape(-1, z.shape[-1])
-        if self._vmappable:
-            try:
-                U, g = torch.func.vmap(self._graph)(flat_z)
-                return U.reshape(batch), g.reshape(z.shape)
-            except RuntimeError:  # an op without a batching rule (e.g. in-place scatter)
-                self._vmappable = False
-        pairs = [self._graph(zi) for zi in flat_z]
-        U = torch.stack([p[0] for p in pairs])
-        g = torch.stack([p[1] for p in pairs])
+        batched = self._batched_graph(flat_z.shape[0])
+        if batched is not None:
+            U, g = batched(flat_z)
+        else:
+            pairs = [self._graph(zi) for zi in flat_z.unbind(0)]
+            U, g = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
         return U.reshape(batch), g.reshape(z.shape)
+
+    def _batched_graph(self, n: int):
+        """The gradient graph for ``n`` points at once, ``(n, D) -> ((n,), (n, D))``: traced once
+        per ``n`` from ``vmap`` of the single-point graph (also in the middle of recording a
+        program), or ``None`` if an op of the graph has no batching rule (e.g. an in-place
+        scatter), in which case the points go through the single-point graph one by one."""
+        if n not in self._batched_graphs:
+            flat = self.flat
+            example = torch.zeros(n, flat.dim, dtype=flat.dtype, device=flat.device)
+            try:
+                with _compile.outside_jit_trace():
+                    graph = tracing.trace(torch.func.vmap(self._graph), (example,), check_escapes=False)
+            except (tracing.UntraceableModel, NotImplementedError):
+                graph = None
+            self._batched_graphs[n] = graph
+        return self._batched_graphs[n]
 
     def eager_value_and_grad(self, z: torch.Tensor):
         with pyro.validation_enabled(False):
@@ -161,36 +175,59 @@ class GradientEngine:
 
         if self.name == "eager":
             return eager
-        # distinct copies: make_fx would merge two inputs that are the same tensor object
+        # distinct copies: a tracer would merge two inputs that are the same tensor object
         examples = tuple(x.clone() for x in example_inputs)
         key = self._aot_key(cache_key, examples) if self.use_aot_cache and cache_key is not None else None
-        aot = self._load_cached(key) if key is not None else None
-        if aot is not None and self._check(aot, eager, validation_inputs) is None:
-            return aot
+        cached = self._load_cached(key) if key is not None else None
+        if cached is not None:
+            if self._check(cached, eager, validation_inputs) is None:
+                return cached
+            self.rejected_compiled_programs += 1
+        if self.name in ("aot", "inductor"):
+            compiled = self._compiled_program(fn, examples, key, eager, validation_inputs, skip_aot=cached is not None)
+            if compiled is not None:
+                return compiled
+        candidates = [examples] + [tuple(x.clone() for x in xs) for xs in validation_inputs[1:]]
+        try:
+            traced = self._first_that_runs(
+                lambda inputs: tracing.to_torchscript(lambda *xs: fn(self.value_and_grad, *xs), inputs), candidates
+            )
+        except tracing.UntraceableModel as e:
+            self._fall_back(f"{e}")
+            return eager
+        if traced is None:  # the model fails numerically at every example: run it eagerly
+            return eager
+        problem = self._check(traced, eager, validation_inputs)
+        if problem is not None:
+            self._fall_back(problem)
+            return eager
+        return traced
+
+    def _compiled_program(self, fn, examples, key, eager, validation_inputs, skip_aot: bool):
+        """``fn`` traced into an FX graph and compiled to C++ (``"aot"``: into the on-disk
+        cache, unless ``skip_aot`` because the cached one was just rejected; ``"inductor"``: in
+        memory), if that works and passes validation; else ``None`` (use the traced program).
+
+        C++ compilation reorders floating-point sums; where the sampler's energies cancel
+        (large U, float32) that can exceed the tolerance although the graph is right. The
+        traced program runs Pyro's operations in Pyro's order: it is used instead."""
         try:
             # the gradient graph was checked for latent escapes when it was traced; the
             # core's functions around it are branch-free tensor code
             gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False)
-        except tracing.UntraceableModel as e:
-            self._fall_back(f"{e}")
-            return eager
-        if aot is None and key is not None and self.name == "aot":
-            aot = self._compile_into_cache(gm, examples, key)
-            if aot is not None and self._check(aot, eager, validation_inputs) is None:
-                return aot
-        if aot is not None:
-            # C++ compilation reorders floating-point sums; where the sampler's energies
-            # cancel (large U, float32) that can exceed the tolerance although the graph is
-            # right. The traced graph runs Pyro's operations in Pyro's order: use it.
-            self.rejected_compiled_programs += 1
-        compiled = self._compile_at_any(gm, [example_inputs] + list(validation_inputs[1:]))
-        if compiled is None:  # the model fails numerically at every example: run it eagerly
-            return eager
-        problem = self._check(compiled, eager, validation_inputs)
-        if problem is not None:
-            self._fall_back(problem)
-            return eager
-        return compiled
+        except tracing.UntraceableModel:
+            return None  # the traced program (which does not need make_fx) may still work
+        if self.name == "aot":
+            compiled = None if skip_aot or key is None else self._compile_into_cache(gm, examples, key)
+        else:
+            candidates = [examples] + list(validation_inputs[1:])
+            compiled = self._first_that_runs(lambda inputs: self._inductor(gm, inputs), candidates)
+        if compiled is None:
+            return None
+        if self._check(compiled, eager, validation_inputs) is None:
+            return compiled
+        self.rejected_compiled_programs += 1
+        return None
 
     def _check(self, compiled, eager, validation_inputs):
         """``None`` if ``compiled`` agrees with ``eager`` at every validation input, else
@@ -234,26 +271,29 @@ class GradientEngine:
             self._compiler_failed("AOTInductor", e)
             return None
 
-    def _compile_at_any(self, gm, candidates):
-        """``gm`` compiled with the first of ``candidates`` (argument tuples) at which it runs:
-        ``torch.jit.trace`` and inductor execute it once, and a model may fail numerically at
-        one example (e.g. a Cholesky beyond its support) but not at another. The result does
-        not depend on which example was used (the graph has no control flow)."""
+    @staticmethod
+    def _first_that_runs(build, candidates):
+        """``build(inputs)`` for the first of ``candidates`` (argument tuples) at which it
+        succeeds: tracing runs the program once, and a model may fail numerically at one
+        example (e.g. a Cholesky beyond its support) but not at another. The result does not
+        depend on which example was used (the program has no control flow). ``None`` if the
+        model fails numerically at every candidate."""
         for inputs in candidates:
             try:
-                return self._compile(gm, inputs)
+                return build(inputs)
             except (RuntimeError, ValueError) as e:
-                if not is_numerical_failure(e):
+                if isinstance(e, tracing.UntraceableModel) or not is_numerical_failure(e):
                     raise
         return None
 
-    def _compile(self, gm, example_inputs):
-        if self.name == "inductor":
-            try:
-                return _compile.inductor(gm, example_inputs)
-            except Exception as e:  # inductor has many failure types; the trace still works
-                self._compiler_failed("TorchInductor", e)
-        return _compile.torchscript(gm, example_inputs)
+    def _inductor(self, gm, example_inputs):
+        try:
+            return _compile.inductor(gm, example_inputs)
+        except Exception as e:  # inductor has many failure types; the traced program still works
+            if is_numerical_failure(e):
+                raise
+            self._compiler_failed("TorchInductor", e)
+            return None
 
     def _compiler_failed(self, compiler: str, error: Exception):
         """A C++ compiler failed on a program: warn, and trace from now on."""

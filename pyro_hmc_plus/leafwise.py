@@ -217,9 +217,9 @@ def nuts_advance(
     block_begin = torch.where(begins.unsqueeze(-1), here, c.block_begin)
     turned = torch.zeros_like(divergent)
     if K > 1:
-        v_b0, p_b0, rho_at_mid = block_begin[..., :-1, :].split(D, -1)  # second half's first leaf
-        v_a0, _, rho_at_first = block_begin[..., 1:, :].split(D, -1)  # the block's first leaf
-        v_a1, p_a1 = c.block_end[..., :-1, :].split(D, -1)  # first half's last leaf
+        v_b0, p_b0, rho_at_mid = block_begin[..., :-1, :].split([D] * 3, -1)  # second half's first leaf
+        v_a0, _, rho_at_first = block_begin[..., 1:, :].split([D] * 3, -1)  # the block's first leaf
+        v_a1, p_a1 = c.block_end[..., :-1, :].split([D] * 2, -1)  # first half's last leaf
         v_b1 = v.unsqueeze(-2).expand_as(v_b0)
         ok = nuts._joins_without_u_turn(
             v_a0, v_a1, p_a1, rho_at_mid - rho_at_first, v_b0, v_b1, p_b0, rho.unsqueeze(-2) - rho_at_mid

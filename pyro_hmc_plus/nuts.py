@@ -210,7 +210,7 @@ def build_subtree(
     # block i covers leaves first[i]..last[i], its halves split at mid[i]; a failure is
     # charged to the block's last leaf (where Stan's recursion would check it)
     first, mid, last, ends_at = _subtree_blocks(L, r.device, r.dtype)
-    if len(first):
+    if L > 1:  # blocks of two or more leaves exist
         cumulative = torch.nn.functional.pad(r.cumsum(-2), (0, 0, 1, 0))  # (..., L + 1, D)
 
         def at(x, i):

@@ -16,12 +16,6 @@ def test_private_entry_points_exist():
     assert "_error_on_data_dependent_ops" in inspect.signature(make_fx).parameters
 
 
-def test_torchscript_backend_runs_a_traced_graph():
-    gm = make_fx(lambda z: (z * z).sum())(torch.randn(3))
-    fn = _compile.torchscript(gm, (torch.randn(3),))
-    assert torch.allclose(fn(torch.ones(3)), torch.tensor(3.0))
-
-
 @pytest.mark.slow
 def test_inductor_backend_compiles_a_traced_graph():
     gm = make_fx(lambda z: ((z * z).sum(), 2 * z))(torch.randn(3))

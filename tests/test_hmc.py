@@ -67,7 +67,10 @@ def test_badly_scaled_100d_gaussian_needs_and_gets_mass_adaptation():
 def test_conjugate_normal_normal():
     x = torch.randn(20) + 3.0
     mean, var = normal_normal_posterior(x)
-    mu = run(HMC(normal_normal), 1500, 300, x).get_samples()["mu"].numpy()
+    # trajectory_length: Pyro's default (2 pi) is a full period of the preconditioned dynamics
+    # on a Gaussian, where fixed-length HMC resonates (Pyro's own HMC then mixes badly at some
+    # seeds, ESS < 10 of 1500); a quarter period mixes well
+    mu = run(HMC(normal_normal, trajectory_length=1.5), 1500, 300, x).get_samples()["mu"].numpy()
     assert_mean(mu, mean)
     assert_variance(mu, var)
 

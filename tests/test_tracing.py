@@ -119,3 +119,32 @@ def test_fallback_kernel_still_samples_correctly():
     assert kernel.engine_name == "eager"
     x = mcmc.get_samples()["x"]
     assert torch.isfinite(x).all() and x.std(0).min() > 0.2
+
+
+def test_programs_are_recorded_with_the_gradient_inlined():
+    """A sampler function around the gradient graph becomes one TorchScript program that
+    agrees with the eager function at other inputs."""
+    flat = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    engine = GradientEngine(flat)
+
+    def two_gradients(z, r):
+        U1, g1 = engine.value_and_grad(z)
+        U2, g2 = engine.value_and_grad(z + 0.1 * r)
+        return U1 + U2, g1 - g2
+
+    z, r = flat.initial_z, torch.randn(flat.dim)
+    program = tracing.to_torchscript(two_gradients, (z, r))
+    assert isinstance(program, torch.jit.ScriptFunction)
+    z2, r2 = torch.randn(flat.dim), torch.randn(flat.dim)
+    for a, b in zip(program(z2, r2), two_gradients(z2, r2)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("escape", [
+    lambda z: (z * float(z.sum()),),  # a Python number frozen into the trace
+    lambda z: (torch.stack([x * 2 for x in z]),),  # iterating over a tensor
+    lambda z: (z * len(z),),
+])
+def test_recording_refuses_values_that_would_be_frozen(escape):
+    with pytest.raises(UntraceableModel, match="cannot be recorded"):
+        tracing.to_torchscript(escape, (torch.randn(3),))
