@@ -9,6 +9,7 @@ from pyro.infer import MCMC
 from pyro_hmc_plus import HMC, EngineFallbackWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
 from pyro_hmc_plus import tracing
 
+from helpers import assert_mean, assert_variance
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, gauss2d
 
 
@@ -148,3 +149,71 @@ def test_programs_are_recorded_with_the_gradient_inlined():
 def test_recording_refuses_values_that_would_be_frozen(escape):
     with pytest.raises(UntraceableModel, match="cannot be recorded"):
         tracing.to_torchscript(escape, (torch.randn(3),))
+
+
+def test_linear_chains_fold_into_fewer_ops_with_the_same_values():
+    c = torch.tensor([1.0, 2.0, 3.0])
+
+    def fn(x, y):
+        affine = ((x - c) / 2.0 * 3.0 + 4.0).exp()  # one addcmul, then exp
+        shared = x * 5.0  # used twice: must stay
+        total = -(shared.sum() + y.sum() - 7.0 + (2.0 * y).sum())  # several terms, one constant
+        return affine + shared, total
+
+    x, y = torch.randn(3), torch.randn(4)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(x, y)
+    before = sum(n.op == "call_function" for n in gm.graph.nodes)
+    tracing.fold_linear_chains(gm)
+    after = sum(n.op == "call_function" for n in gm.graph.nodes)
+    # the affine chain (4 ops) becomes one addcmul; add, sub, add, neg over three sums become
+    # two adds and one addcmul
+    assert after == before - 4
+    for _ in range(3):
+        x, y = torch.randn(3), torch.randn(4)
+        for a, b in zip(gm(x, y), fn(x, y)):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_trace_that_disagrees_with_pyro_falls_back_to_eager():
+    """A potential whose value depends on Python state the trace cannot see (here a call
+    counter): the trace freezes it, the check against Pyro's potential catches it."""
+    calls = [0]
+
+    def stateful(p):
+        calls[0] += 1
+        return (p["x"] ** 2).sum() * (1.0 + 0.5 * (calls[0] % 2))
+
+    flat = from_potential_fn(stateful, {"x": torch.tensor([0.5, -0.2])})
+    with pytest.warns(EngineFallbackWarning, match="disagrees with Pyro's eager potential"):
+        engine = GradientEngine(flat)
+    assert engine.name == "eager"
+
+
+def test_large_float32_potentials_keep_the_traced_programs():
+    """|U| ~ 4000 in float32 (a normalising constant, as the sum over many observations
+    gives): the folded gradient graph rounds U differently from Pyro by an ulp (~5e-4),
+    which is nothing for U but as much as a whole energy difference H0 - H of a leapfrog
+    step. Programs are therefore checked against the sampler function on the traced
+    gradient, not against Pyro, and the kernel stays on the traced engine."""
+    from pyro_hmc_plus import NUTS
+
+    def offset_gaussian(p):
+        return 0.5 * ((p["x"] - 1.0) ** 2).sum() + 4321.37 - 0.61 + 0.77
+
+    flat = from_potential_fn(offset_gaussian, {"x": torch.zeros(5)})
+    engine = GradientEngine(flat)
+    gen = torch.Generator().manual_seed(3)
+    points = [torch.randn(5, generator=gen) for _ in range(20)]
+    rounding = max((engine.value_and_grad(z)[0] - flat.value_and_grad(z)[0]).abs().item() for z in points)
+    assert rounding > 1e-4  # what a whole-program check against Pyro would have seen
+
+    kernel = NUTS(potential_fn=offset_gaussian)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        mcmc = MCMC(kernel, num_samples=200, warmup_steps=100, disable_progbar=True,
+                    initial_params={"x": torch.zeros(5)})
+        mcmc.run()
+    assert kernel.engine_name == "trace"
+    x = mcmc.get_samples()["x"].numpy()
+    assert_mean(x, 1.0)
+    assert_variance(x, 1.0)
