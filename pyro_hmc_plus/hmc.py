@@ -86,3 +86,13 @@ def metropolis(state: HMCState, H0: torch.Tensor, end: IntegratorState, log_u: t
         accepted=accepted,
     )
     return new_state, info
+
+
+def stat_row(info: HMCInfo) -> torch.Tensor:
+    """The transition's statistics ``lp = -U, energy, acceptance probability, diverging,
+    accepted`` as one float64 tensor of shape ``(..., 5)``: computed inside the compiled transition, so that the host reads a
+    draw's statistics with one conversion instead of five."""
+    f = info.energy.dtype
+    values = [-info.potential_energy, info.energy, info.acceptance_prob, info.diverging.to(f), info.accepted.to(f)]
+    return torch.stack(values, -1).to(torch.float64)
+

@@ -16,7 +16,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from . import adaptation, leafwise, nuts, potential
 from .engine import GradientEngine, is_numerical_failure
-from .hmc import HMCInfo, HMCState, hmc_step
+from .hmc import HMCInfo, HMCState, hmc_step, stat_row
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
@@ -421,7 +421,7 @@ class HMC(MCMCKernel):
             state, info = hmc_step(
                 integrate, HMCState(z, U, g), noise, log_u, step_size, Metric(inverse_mass, momentum_scale)
             )
-            return tuple(state) + tuple(info)
+            return tuple(state) + (stat_row(info),)
 
         def validation():
             log_u = torch.tensor(-1.0, dtype=self._flat.dtype, device=self._flat.device)
@@ -544,7 +544,7 @@ class HMC(MCMCKernel):
         z, U, g = self._state
         inf = torch.full_like(U, float("inf"))
         false, true = torch.zeros_like(U, dtype=torch.bool), torch.ones_like(U, dtype=torch.bool)
-        return (z, U, g, U, inf, torch.zeros_like(U), true, false)
+        return (z, U, g, stat_row(HMCInfo(U, inf, torch.zeros_like(U), true, false)))
 
     def _transition(self, warmup: bool):
         """One transition from ``self._state``: returns the new state, its statistics (a
@@ -563,14 +563,13 @@ class HMC(MCMCKernel):
                 if not is_numerical_failure(e):
                     raise
                 out = self._failed_transition()
-            state, info = HMCState(*out[:3]), HMCInfo(*out[3:])
+            state, row = HMCState(*out[:3]), out[3]
         else:
             state, info = hmc_step(
                 self._integrate, self._state, noise, log_u, self._step_size_tensor, self._metric
             )
-        lp, energy, accept_prob, diverging, accepted = _host_values(
-            -info.potential_energy, info.energy, info.acceptance_prob, info.diverging, info.accepted
-        )
+            row = stat_row(info)
+        lp, energy, accept_prob, diverging, accepted = row.tolist()
         stats = dict(lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging), n_steps=n_steps)
         return state, stats, bool(accepted)
 
