@@ -114,11 +114,12 @@ def bench(args) -> None:
         sys.exit("pyro-hmc-plus bench needs a source checkout (git clone, then pip install -e .): "
                  f"{root} does not exist")
     if args.full:
-        runs = [["classic_question.py", "--iterations", "2000", "--reps", "3"],
+        runs = [["hmc.py", "--problem", "classic", "--iterations", "10000", "--reps", "3"],
+                ["hmc.py", "--problem", "hierarchical", "--iterations", "2000", "--reps", "3"],
                 ["nuts.py", "--reps", "3"],
                 ["chains.py", "--reps", "3"]]
     else:
-        runs = [["classic_question.py", "--iterations", "500", "--reps", "1"],
+        runs = [["hmc.py", "--problem", "classic", "--iterations", "500", "--reps", "1"],
                 ["nuts.py", "--models", "gauss2d", "eight_schools", "--contenders", "pyro", "ours", "--reps", "1",
                  "--warmup", "200", "--samples", "200"],
                 ["chains.py", "--models", "eight_schools", "--kernels", "nuts", "--chains", "4", "--reps", "1",

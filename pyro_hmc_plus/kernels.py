@@ -700,7 +700,7 @@ class NUTS(HMC):
             tree = nuts.init_tree(state, noise, log_slice, metric)
             return nuts.doubling(
                 value_and_grad, tree, rands, step_size, metric.inverse_mass, 1,
-                self.max_tree_depth, self.use_multinomial_sampling, keep_done=False,
+                self.max_tree_depth, self.use_multinomial_sampling, keep_done=False, start=nuts.fresh_tree_end(tree),
             )
 
         return self._program(

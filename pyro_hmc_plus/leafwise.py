@@ -108,7 +108,7 @@ def _new_transitions(state: HMCState, noise, uniforms, metric: Metric, multinomi
     log_slice = torch.zeros_like(state.potential_energy) if multinomial else uniforms[..., SLICE].log()
     tree = nuts.init_tree(state, noise, log_slice, metric)
     forward = uniforms[..., START_DIRECTION] < 0.5
-    return tree, forward, nuts.subtree_start(tree, forward)
+    return tree, forward, nuts.fresh_tree_end(tree)
 
 
 def nuts_init(state: HMCState, metric: Metric, step_size: StepSize, max_tree_depth: int) -> NUTSChains:

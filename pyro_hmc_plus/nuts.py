@@ -141,6 +141,12 @@ def init_tree(state: HMCState, noise: torch.Tensor, log_slice: torch.Tensor, met
     )
 
 
+def fresh_tree_end(tree: Tree) -> IntegratorState:
+    """Either end of a one-state tree from :func:`init_tree`, which is its state with the new
+    momentum: what :func:`subtree_start` returns for it, without selecting between ends."""
+    return IntegratorState(tree.proposal.z, tree.rho, tree.proposal.potential_energy, tree.proposal.grad)
+
+
 def is_forward(rands: torch.Tensor) -> torch.Tensor:
     """The doubling's direction from its uniforms ``rands (..., 3)``."""
     return rands[..., 0] < 0.5
@@ -345,13 +351,15 @@ def doubling(
     multinomial: bool = True,
     max_energy_error: float = MAX_ENERGY_ERROR,
     keep_done: bool = True,
+    start: IntegratorState = None,
 ) -> Tree:
     """One doubling of ``num_leaves`` new states as a single subtree, with the uniforms
     ``rands (..., 3)``: direction, multinomial draw inside the subtree, and progressive
-    sampling of the tree (``keep_done``: see :func:`extend_tree`)."""
+    sampling of the tree (``keep_done``: see :func:`extend_tree`). ``start``: the end the
+    subtree grows from, where the caller knows it (:func:`fresh_tree_end`)."""
     forward = is_forward(rands)
     subtree = build_subtree(
-        value_and_grad, subtree_start(tree, forward), tree.H0, tree.log_slice,
+        value_and_grad, subtree_start(tree, forward) if start is None else start, tree.H0, tree.log_slice,
         signed_step_size(step_size, forward), inverse_mass, rands[..., 1], num_leaves,
         multinomial, max_energy_error,
     )
