@@ -242,16 +242,7 @@ def _is_value_identity(node) -> bool:
     if node.target in _RESHAPES:
         return True
     if node.target in _PERMUTES:
-        if node.target is aten.permute.default:
-            perm = list(node.args[1])
-        else:
-            dims = (0, 1) if node.target is aten.t.default else node.args[1:3]
-            perm = list(range(src.dim()))
-            if perm:
-                a, b = (d % src.dim() for d in dims)
-                perm[a], perm[b] = perm[b], perm[a]
-        moved = [d for d in perm if src.shape[d] != 1]
-        return moved == sorted(moved)
+        return _keeps_element_order(node)
     if node.target is aten.cat.default:
         return len(node.args[0]) == 1
     if node.target is aten.sum.default:
@@ -260,6 +251,22 @@ def _is_value_identity(node) -> bool:
         other = node.args[1]
         return isinstance(other, (int, float)) and other == _IDENTITY_SCALAR[node.target]
     return False
+
+
+def _keeps_element_order(node) -> bool:
+    """Whether the permutation ``node`` moves only dimensions of size 1, so that its result
+    holds its input's elements in the same order: a reshape."""
+    src = _val(node.args[0])
+    if node.target is aten.permute.default:
+        perm = list(node.args[1])
+    else:
+        dims = (0, 1) if node.target is aten.t.default else node.args[1:3]
+        perm = list(range(src.dim()))
+        if perm:
+            a, b = (d % src.dim() for d in dims)
+            perm[a], perm[b] = perm[b], perm[a]
+    moved = [d % max(src.dim(), 1) for d in perm if src.shape[d] != 1]
+    return moved == sorted(moved)
 
 
 def _is_masked_fill(node) -> bool:
@@ -319,6 +326,10 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
+        if node.target in _PERMUTES and torch.is_tensor(_val(node)) and torch.is_tensor(_val(node.args[0])) \
+                and _keeps_element_order(node):
+            # a permutation of unit dimensions is a reshape (collapsed into the one below)
+            node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], list(_val(node).shape)), {}
         # view(view(x)) -> view(x): a reshape of a reshape only needs the final shape
         if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             src = node.args[0]
