@@ -48,6 +48,22 @@ def outside_jit_trace():
         set_(state)
 
 
+@contextlib.contextmanager
+def _trusted_cpu_isa():
+    """Inductor's settings for our compilations: trust the vector instructions that
+    ``/proc/cpuinfo`` lists instead of test-compiling a program for each of them (~18 s of
+    a fresh process's first compilation on a small CPU; if the compiler cannot build them
+    after all, the compilation fails and the engine keeps the traced program). Scoped, so
+    the user's own ``torch.compile`` settings are untouched."""
+    try:
+        from torch._inductor import config
+    except ImportError:  # pragma: no cover - torch without inductor
+        yield
+        return
+    with config.patch({"cpp.vec_isa_ok": True}) if hasattr(config.cpp, "vec_isa_ok") else contextlib.nullcontext():
+        yield
+
+
 def inductor(gm: torch.fx.GraphModule, example_inputs):
     for node in gm.graph.nodes:
         node.meta = {}  # fake tensors from the nested make_fx calls confuse inductor
@@ -58,7 +74,8 @@ def inductor(gm: torch.fx.GraphModule, example_inputs):
         compile_fx = getattr(importlib.import_module("torch._inductor"), "compile", None)
     if compile_fx is not None:
         options = {"cpp_wrapper": True} if example_inputs[0].device.type == "cpu" else {}
-        fn = compile_fx(gm, list(example_inputs), options=options)
+        with _trusted_cpu_isa():
+            fn = compile_fx(gm, list(example_inputs), options=options)
         return lambda *xs: fn(*xs)
     return torch.compile(gm, fullgraph=True, dynamic=False)
 
@@ -137,7 +154,7 @@ def aot_compile(gm: torch.fx.GraphModule, example_inputs, key: str):
     level = inductor_log.level
     try:
         inductor_log.setLevel(logging.ERROR)  # e.g. "missing a c-shim implementation": harmless
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _trusted_cpu_isa():
             warnings.simplefilter("ignore")
             aoti_compile_and_package(exported, package_path=tmp)
         os.replace(tmp, folder / f"{key}.pt2")

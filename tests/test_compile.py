@@ -93,3 +93,12 @@ def test_a_compiled_program_that_fails_validation_falls_back_to_the_trace(tmp_pa
     U, g = program(z)
     assert torch.allclose(U, 0.5 * (z**2).sum()) and torch.allclose(g, z)
     assert engine.rejected_compiled_programs == 1 and engine.name == "aot"
+
+
+def test_compilations_trust_the_cpu_isa_without_changing_the_users_settings():
+    from torch._inductor import config
+
+    before = config.cpp.vec_isa_ok
+    with _compile._trusted_cpu_isa():
+        assert config.cpp.vec_isa_ok is True
+    assert config.cpp.vec_isa_ok == before
