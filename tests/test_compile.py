@@ -14,6 +14,12 @@ def test_private_entry_points_exist():
     import inspect
 
     assert "_error_on_data_dependent_ops" in inspect.signature(make_fx).parameters
+    # pausing a torch.jit.trace recording (batched gradient graphs built mid-recording)
+    assert callable(getattr(torch._C, "_get_tracing_state", None))
+    assert callable(getattr(torch._C, "_set_tracing_state", None))
+    from torch._inductor import config
+
+    assert hasattr(config.cpp, "vec_isa_ok")
 
 
 @pytest.mark.slow

@@ -110,9 +110,9 @@ def test_lp_is_minus_the_potential_energy_with_jacobian_under_pyro_mcmc():
 
 
 def test_divergences_warning_on_centered_schools_only():
-    def run(model, seed):
+    def run(model, seed, target_accept_prob=0.8):
         pyro.set_rng_seed(seed)
-        mcmc = MCMC(NUTS(model), num_samples=400, warmup_steps=400, num_chains=4, disable_progbar=True)
+        mcmc = MCMC(NUTS(model, target_accept_prob=target_accept_prob), num_samples=400, warmup_steps=400, num_chains=4, disable_progbar=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
@@ -129,7 +129,11 @@ def test_divergences_warning_on_centered_schools_only():
     assert report.divergences == [len(reported[f"chain {c}"]) for c in range(4)] and sum(report.divergences) > 0
     assert not report.ok and len(report.ebfmi) == 4
 
-    _, messages = run(eight_schools, 0)
+    # Non-centered, the funnel is gone; at the default target 0.8 a divergence still comes in
+    # roughly one draw in a thousand (Stan and Pyro alike; Betancourt 2017, "Diagnosing biased
+    # inference with divergences"), so a 1,600-draw run may warn. The remedy the warning gives
+    # (a higher target) removes them.
+    _, messages = run(eight_schools, 0, target_accept_prob=0.9)
     assert not any("divergent" in m for m in messages)
 
 
