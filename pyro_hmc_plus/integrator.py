@@ -1,6 +1,7 @@
 """The leapfrog (velocity Verlet) integrator over flat tensors.
 
-One step of size ``eps`` maps ``(z, r)`` to::
+One step of size ``eps`` maps ``(z, r)`` to (in a trajectory, the last half kick of a step and
+the first of the next are one kick of ``eps``)::
 
     r <- r - eps/2 * grad U(z)
     z <- z + eps * M^{-1} r
@@ -40,7 +41,7 @@ def leapfrog(
     ``value_and_grad(z) -> (U, dU/dz)`` must accept the batch shape of ``z``. A negative
     ``step_size`` integrates backwards in time (NUTS uses this).
     """
-    for state in _steps(value_and_grad, state, step_size, inverse_mass, num_steps):
+    for state in _steps(value_and_grad, state, step_size, inverse_mass, num_steps, every_state=False):
         pass
     return state
 
@@ -64,19 +65,27 @@ def leapfrog_trajectory(
     )
 
 
-def _steps(value_and_grad, state, step_size, inverse_mass, num_steps):
-    """Yield the state after each of ``num_steps`` leapfrog steps."""
+def _steps(value_and_grad, state, step_size, inverse_mass, num_steps, every_state=True):
+    """Yield the state after each of ``num_steps`` leapfrog steps, or (``every_state=False``)
+    only the last one, in which case the closing half kick of each step and the opening half
+    kick of the next are one kick of ``eps``."""
     z, r, U, g = state
     eps = step_size.unsqueeze(-1)
     half = 0.5 * eps
-    # three tensor operations per step besides the gradient (each op of a traced program
+    # few tensor operations per step besides the gradient (each op of a traced program
     # costs the same few microseconds of dispatch, whatever its size): fused multiply-adds,
     # and with a diagonal metric the drift's eps * M^{-1} computed once per trajectory
     dense = is_dense(inverse_mass, r)
     drift = eps if dense else eps * inverse_mass
-    for _ in range(num_steps):
-        r = torch.addcmul(r, half, g, value=-1.0)
+    r = torch.addcmul(r, half, g, value=-1.0)
+    for i in range(num_steps):
         z = torch.addcmul(z, drift, velocity(r, inverse_mass) if dense else r)
         U, g = value_and_grad(z)
-        r = torch.addcmul(r, half, g, value=-1.0)
-        yield IntegratorState(z, r, U, g)
+        last = i == num_steps - 1
+        if every_state or last:
+            r = torch.addcmul(r, half, g, value=-1.0)
+            yield IntegratorState(z, r, U, g)
+            if not last:
+                r = torch.addcmul(r, half, g, value=-1.0)
+        else:
+            r = torch.addcmul(r, eps, g, value=-1.0)

@@ -236,3 +236,45 @@ def test_same_seed_same_draws():
     pyro.set_rng_seed(0)
     b = run(HMC(gauss2d, step_size=0.25, num_steps=10), 50, 50).get_samples()["q"]
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_leapfrog_matches_pyro_velocity_verlet(dense):
+    """The fused trajectory (one kick of eps between steps instead of two half kicks) ends
+    where Pyro's velocity Verlet ends, and where the every-state trajectory NUTS uses ends."""
+    from pyro.ops.integrator import potential_grad, velocity_verlet
+
+    from pyro_hmc_plus.integrator import IntegratorState, leapfrog, leapfrog_trajectory
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        precision = PRECISION.double()
+
+        def potential_fn(params):
+            q = params["q"]
+            return 0.5 * q @ precision @ q
+
+        gen = torch.Generator().manual_seed(4)
+        z, r = torch.randn(2, generator=gen), torch.randn(2, generator=gen)
+        inverse_mass = torch.tensor([[0.5, 0.1], [0.1, 0.3]]) if dense else torch.tensor([0.5, 0.3])
+        eps = torch.tensor(0.15)
+
+        def value_and_grad(q):
+            return 0.5 * q @ precision @ q, precision @ q
+
+        U, g = value_and_grad(z)
+        start = IntegratorState(z, r, U, g)
+        end = leapfrog(value_and_grad, start, eps, inverse_mass, 7)
+        every = leapfrog_trajectory(value_and_grad, start, eps, inverse_mass, 7)
+        kinetic_grad = (lambda p: {"q": inverse_mass @ p["q"]}) if dense else (lambda p: {"q": inverse_mass * p["q"]})
+        z_ref, r_ref, g_ref, U_ref = velocity_verlet(
+            {"q": z}, {"q": r}, potential_fn, kinetic_grad, 0.15, 7, {"q": g}
+        )
+        last = IntegratorState(every.z[-1], every.r[-1], every.potential_energy[-1], every.grad[-1])
+        for got in (end, last):
+            assert torch.allclose(got.z, z_ref["q"], atol=1e-12)
+            assert torch.allclose(got.r, r_ref["q"], atol=1e-12)
+            assert torch.allclose(got.grad, g_ref["q"], atol=1e-12)
+            assert torch.allclose(got.potential_energy, U_ref, atol=1e-12)
+    finally:
+        torch.set_default_dtype(torch.float32)

@@ -10,7 +10,7 @@ from pyro_hmc_plus import HMC, EngineFallbackWarning, GradientEngine, Untraceabl
 from pyro_hmc_plus import tracing
 
 from helpers import assert_mean, assert_variance
-from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, gauss2d
+from models import PRECISION, EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, gauss2d
 
 
 def _latent_branch(p):
@@ -231,3 +231,40 @@ def test_permutations_of_unit_dimensions_become_reshapes():
         z = torch.randn(2)
         for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_solves_against_constant_matrices_become_one_product():
+    """The 2-D Gaussian's gradient solves with its constant Cholesky factor forward and back:
+    one product with the composed constant matrix (the precision matrix) instead, with the
+    same values; the potential keeps its own product."""
+    flat = from_model(gauss2d)
+    engine = GradientEngine(flat)
+    targets = [n.target for n in engine._graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.linalg_solve_triangular.default not in targets
+    assert targets.count(torch.ops.aten.bmm.default) == 2  # U's L^-1 z and the gradient's P z
+    gen = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        z = torch.randn(2, generator=gen) * 3
+        U, g = engine.value_and_grad(z)
+        U_ref, g_ref = flat.value_and_grad(z)
+        assert torch.allclose(U, U_ref, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(g, PRECISION @ z, rtol=1e-5, atol=1e-5)
+
+
+def test_solves_against_ill_conditioned_constants_stay_solves():
+    """An explicit inverse of a badly conditioned matrix loses the accuracy a solve keeps:
+    such solves are left alone (cond(A) * eps above 1e-5 in the graph's dtype)."""
+    well = torch.tensor([[2.0, 0.0], [1.0, 1.5]])
+    ill = torch.tensor([[1.0, 0.0], [1.0, 1e-4]])
+
+    def fn(x):
+        a = torch.linalg.solve_triangular(well, x.unsqueeze(-1), upper=False)
+        b = torch.linalg.solve_triangular(ill, x.unsqueeze(-1), upper=False)
+        return a.sum() + b.sum()
+
+    x = torch.randn(2)
+    gm = tracing.trace(fn, (x,), check_escapes=False)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.linalg_solve_triangular.default) == 1
+    assert torch.allclose(gm(x), fn(x), rtol=1e-6, atol=1e-6)
