@@ -22,7 +22,11 @@ fresh processes. Reported, median over ``--reps``:
     python benchmarks/nuts.py --reps 3
     python benchmarks/nuts.py --models eight_schools --contenders pyro ours --reps 5
 
-NumPyro is not a contender yet (it is not installed on the machine these figures come from).
+``numpyro`` (NumPyro's NUTS on the same models and data, written in NumPyro; install it with
+``pip install -e ".[bench]"``) is a reference column: like Pyro, its framework is imported
+before the clock starts; its wall time includes JAX's compilation. Its JAX runs on one
+thread (``XLA_FLAGS``), float32 like the others. It runs ``warmup()`` then ``run()`` so that
+the warmup's leapfrog steps can be counted.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ import sys
 import time
 
 MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical")
-CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor")
+CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor", "numpyro")
+SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
 def make_problem(name: str):
@@ -76,6 +81,71 @@ def make_problem(name: str):
     raise ValueError(name)
 
 
+def numpyro_model(name: str):
+    """The NumPyro transcription of ``pyro_hmc_plus.models``' model ``name`` (same priors,
+    likelihood and site names), taking the same arguments as NumPy arrays."""
+    import jax.numpy as jnp
+    import numpyro
+    import numpyro.distributions as nd
+
+    from pyro_hmc_plus import models
+
+    if name == "gauss2d":
+        precision = jnp.asarray(models.CLASSIC_PRECISION.numpy())
+
+        def model():
+            numpyro.sample("q", nd.MultivariateNormal(jnp.zeros(2), precision_matrix=precision))
+    elif name == "eight_schools":
+        def model(y, sigma):
+            mu = numpyro.sample("mu", nd.Normal(0.0, 5.0))
+            tau = numpyro.sample("tau", nd.HalfCauchy(5.0))
+            with numpyro.plate("school", len(y)):
+                theta_raw = numpyro.sample("theta_raw", nd.Normal(0.0, 1.0))
+                numpyro.sample("y", nd.Normal(mu + tau * theta_raw, sigma), obs=y)
+    elif name == "logistic":
+        def model(x, y):
+            w = numpyro.sample("w", nd.Normal(jnp.zeros(x.shape[1]), 1.0).to_event(1))
+            b = numpyro.sample("b", nd.Normal(0.0, 1.0))
+            with numpyro.plate("data", x.shape[0]):
+                numpyro.sample("y", nd.Bernoulli(logits=x @ w + b), obs=y)
+    elif name == "hierarchical":
+        def model(x, group, y):
+            mu_a = numpyro.sample("mu_a", nd.Normal(0.0, 5.0))
+            sigma_a = numpyro.sample("sigma_a", nd.HalfNormal(2.0))
+            beta = numpyro.sample("beta", nd.Normal(0.0, 5.0))
+            sigma_y = numpyro.sample("sigma_y", nd.HalfNormal(2.0))
+            with numpyro.plate("groups", int(group.max()) + 1):
+                a_raw = numpyro.sample("a_raw", nd.Normal(0.0, 1.0))
+            a = mu_a + sigma_a * a_raw
+            with numpyro.plate("data", len(y)):
+                numpyro.sample("y", nd.Normal(a[group] + beta * x, sigma_y), obs=y)
+    else:
+        raise ValueError(name)
+    return model
+
+
+def run_numpyro(model_name: str, args, warmup: int, samples: int, seed: int) -> dict:
+    """NumPyro's NUTS, one chain; wall time from building the kernel to the last draw."""
+    import jax
+    import numpy as np
+    import numpyro
+    import torch
+    from numpyro.infer import MCMC, NUTS
+
+    model = numpyro_model(model_name)
+    np_args = tuple(np.asarray(a.numpy()) for a in args)
+    start = time.perf_counter()
+    mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
+    mcmc.warmup(jax.random.PRNGKey(seed), *np_args, extra_fields=("num_steps",), collect_warmup=True)
+    gradients = int(mcmc.get_extra_fields()["num_steps"].sum())
+    mcmc.run(jax.random.PRNGKey(seed + 1), *np_args, extra_fields=("num_steps",))
+    jax.block_until_ready(mcmc.get_samples())
+    wall = time.perf_counter() - start
+    gradients += int(mcmc.get_extra_fields()["num_steps"].sum())
+    draws = {k: torch.as_tensor(np.array(v)) for k, v in mcmc.get_samples().items()}
+    return {"wall_s": wall, "ess": min_bulk_ess(draws), "gradients": gradients, "numpyro": numpyro.__version__}
+
+
 def min_bulk_ess(samples: dict) -> float:
     import arviz as az
     import numpy as np
@@ -96,6 +166,8 @@ def run_one(model_name: str, contender: str, warmup: int, samples: int, seed: in
 
     torch.set_num_threads(1)
     model, args, calls = make_problem(model_name)
+    if contender == "numpyro":
+        return run_numpyro(model_name, args, warmup, samples, seed)
 
     def once(seed):
         pyro.set_rng_seed(seed)
@@ -138,7 +210,7 @@ def main():
         model_name, contender, seed = args.child
         print(json.dumps(run_one(model_name, contender, args.warmup, args.samples, int(seed))))
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_FLAGS": SINGLE_THREAD_XLA}
     print(
         f"NUTS, 1 chain, {args.warmup} warmup + {args.samples} draws, "
         f"{'warm' if args.warm else 'cold'} start, median of {args.reps} fresh processes"
