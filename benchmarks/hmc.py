@@ -1,7 +1,8 @@
 """HMC side by side (issue #2): the classic question's problem as written, and a 100-D
 hierarchical model with plates, for the hand-written ``backward()`` loop, Pyro's
 ``HMC(model)`` with ``jit_compile`` off and on, Pyro's ``HMC(potential_fn)``, and ours
-(model and potential_fn), all in one run.
+(model and potential_fn, inside ``pyro.infer.MCMC``; and the model in this package's own
+``pyro_hmc_plus.MCMC``, which skips Pyro's per-draw JSON logging), all in one run.
 
 ``--problem classic``: the 2-D Gaussian of the forum thread (precision ``[[10.25, -9.74],
 [-9.74, 10.25]]``), 10 leapfrog steps of 0.25, no adaptation, ``--iterations`` transitions
@@ -38,7 +39,7 @@ import sys
 import time
 
 CONTENDERS = ("hand_written_backward", "pyro_hmc", "pyro_hmc_jit", "pyro_hmc_potential_fn",
-              "ours_model", "ours_potential_fn")
+              "ours_model", "ours_potential_fn", "ours_model_our_mcmc")
 NUM_STEPS = 10
 STEP_SIZE = {"classic": 0.25, "hierarchical": 0.02}
 
@@ -149,8 +150,14 @@ def run_one(problem: str, name: str, iterations: int, seed: int) -> dict:
         if i == half:
             stamps["half"] = time.perf_counter()
 
-    mcmc = MCMC(kernel, num_samples=iterations, warmup_steps=0, initial_params=initial, disable_progbar=True,
-                hook_fn=hook)
+    if name == "ours_model_our_mcmc":
+        from pyro_hmc_plus import MCMC as OurMCMC
+
+        mcmc = OurMCMC(kernel, num_samples=iterations, warmup_steps=0, initial_params=initial, disable_progbar=True,
+                       hook_fn=hook, warn_on_problems=False)
+    else:
+        mcmc = MCMC(kernel, num_samples=iterations, warmup_steps=0, initial_params=initial, disable_progbar=True,
+                    hook_fn=hook)
     mcmc.run(*args)
     end = time.perf_counter()
     return {"wall_s": end - start, "half_s": end - stamps["half"], "gradients": iterations * NUM_STEPS,

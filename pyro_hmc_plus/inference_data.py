@@ -275,10 +275,10 @@ def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
         )
     high_rhat, max_rhat = [], float("nan")
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # ArviZ warns about single chains itself
-        rhat = az.rhat(idata)
+        warnings.simplefilter("ignore")
         ess_bulk, ess_tail = az.ess(idata, method="bulk"), az.ess(idata, method="tail")
-    if num_chains > 1:
+    if num_chains > 1:  # R-hat compares chains (ArviZ logs a shape warning for one)
+        rhat = az.rhat(idata)
         max_rhat = float(np.nanmax([np.nanmax(np.asarray(v)) for v in rhat.data_vars.values()]))
         high_rhat = _names_where(rhat, lambda x: x > RHAT_THRESHOLD)
     floor = ESS_PER_CHAIN * num_chains

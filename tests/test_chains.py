@@ -229,6 +229,32 @@ def test_sequential_and_parallel_are_pyros():
     assert parallel.get_samples()["q"].shape == (50, 2)
 
 
+def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
+    """Our "sequential" chains make the same kernel calls as pyro.infer.MCMC: the same seed
+    gives the same draws and diagnostics, and hook_fn sees the same stages, indices and
+    parameters; the progress bar shows the kernel's logging (Pyro sends it through JSON at
+    every draw)."""
+    def run_with(mcmc_class, num_chains, **kw):
+        calls = []
+        pyro.set_rng_seed(3)
+        mcmc = mcmc_class(NUTS(gauss2d), num_samples=30, warmup_steps=20, num_chains=num_chains,
+                          hook_fn=lambda k, p, stage, i: calls.append((stage, i, p["q"].clone())), **kw)
+        mcmc.run()
+        return mcmc, calls
+
+    ours, our_calls = run_with(MCMC, 1, chain_method="sequential", disable_progbar=False, warn_on_problems=False)
+    pyros, pyro_calls = run_with(pyro.infer.MCMC, 1, disable_progbar=True)
+    assert torch.equal(ours.get_samples()["q"], pyros.get_samples()["q"])
+    assert [c[:2] for c in our_calls] == [c[:2] for c in pyro_calls] and len(our_calls) == 50
+    assert all(torch.equal(a[2], b[2]) for a, b in zip(our_calls, pyro_calls))
+    assert ours.diagnostics()["divergences"] == pyros.diagnostics()["divergences"]
+    err = capsys.readouterr().err
+    assert "50/50" in err and "step size=" in err and "acc. prob=" in err
+
+    _, calls = run_with(MCMC, 2, chain_method="sequential", disable_progbar=True, warn_on_problems=False)
+    assert calls[0][:2] == ("Warmup [0]", 0) and calls[20][:2] == ("Sample [0]", 0) and calls[-1][:2] == ("Sample [1]", 29)
+
+
 def test_invalid_arguments():
     with pytest.raises(ValueError, match="chain_method"):
         MCMC(NUTS(gauss2d), 10, chain_method="threads")
