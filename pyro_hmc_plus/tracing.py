@@ -16,6 +16,7 @@ cost of small models, and removes aliasing no-ops.
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from typing import Dict, NamedTuple, Optional
@@ -125,6 +126,7 @@ def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModul
     fold_constants(gm)
     simplify(gm)
     fold_constant_solves(gm)
+    simplify(gm)  # the reshapes around the products it made
     fold_linear_chains(gm)
     fold_constants(gm)
     return gm
@@ -338,6 +340,9 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     and src.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
                 node.args = (src.args[0],) + tuple(node.args[1:])
                 node.target = aten.reshape.default
+                if _is_value_identity(node):  # e.g. a vector viewed as a column and back
+                    node.replace_all_uses_with(node.args[0])
+                    graph.erase_node(node)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
     gm.recompile()
     return gm
@@ -539,17 +544,35 @@ def _constant(gm, node):
 
 
 def _product(gm, matrix: torch.Tensor, x, like):
-    """A node computing ``matrix @ x`` (``matrix`` a constant): ``bmm`` where both are 3-D
-    with the same batch size (the cheapest call), else ``matmul``."""
+    """A node computing ``matrix @ x`` (``matrix`` a constant) by the cheapest call: ``mv``
+    where ``x`` is a vector viewed as a ``(1, ..., D, 1)`` column and ``matrix`` has no batch
+    (a distribution's Mahalanobis form of one point), reshaped back; ``bmm`` where both are
+    3-D with the same batch size; else ``matmul``."""
     name = f"_matrix_{len(gm._buffers)}"
-    gm.register_buffer(name, matrix.to(like.dtype).contiguous())
-    attr = gm.graph.get_attr(name)
-    attr.meta["val"] = getattr(gm, name)
+    graph = gm.graph
+
+    def constant(value):
+        gm.register_buffer(name, value.to(like.dtype).contiguous())
+        attr = graph.get_attr(name)
+        attr.meta["val"] = getattr(gm, name)
+        return attr
+
+    def call(target, args, val):
+        node = graph.call_function(target, args)
+        node.meta["val"] = val
+        return node
+
     xv = _val(x)
+    source = x.args[0] if x.op == "call_function" and x.target in _RESHAPES else None
+    column = (
+        torch.is_tensor(xv) and torch.is_tensor(_val(source)) and _val(source).dim() == 1
+        and xv.shape[-1] == 1 and xv.numel() == _val(source).numel() and math.prod(matrix.shape[:-2]) == 1
+    )
+    if column:
+        vector = call(aten.mv.default, (constant(matrix.reshape(matrix.shape[-2:])), source), like.reshape(-1))
+        return call(aten.reshape.default, (vector, list(like.shape)), like)
     bmm = matrix.dim() == 3 and torch.is_tensor(xv) and xv.dim() == 3 and xv.shape[0] == matrix.shape[0]
-    node = gm.graph.call_function(aten.bmm.default if bmm else aten.matmul.default, (attr, x))
-    node.meta["val"] = like
-    return node
+    return call(aten.bmm.default if bmm else aten.matmul.default, (constant(matrix), x), like)
 
 
 def _scaled_product(gm, node, products):
