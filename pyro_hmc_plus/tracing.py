@@ -532,7 +532,6 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-_MATMULS = {aten.bmm.default, aten.matmul.default}
 _FOLDED_SOLVE_ERROR = 1e-5  # largest cond(A) * eps of the dtype for which a solve becomes a product
 
 
@@ -576,10 +575,10 @@ def _product(gm, matrix: torch.Tensor, x, like):
 
 
 def _scaled_product(gm, node, products):
-    """``(k, products[p])`` if ``node`` is ``k * p`` for a product ``p = M @ y`` in ``products``
-    and constant factors ``k`` (through a chain of ``mul`` nodes of unchanged shape) that are
-    scalars or scale rows only (last dimension 1), so that ``k * (M @ y) == (k * M) @ y``;
-    else ``None``. ``k`` is a float64 tensor."""
+    """``(k * M, y)`` if ``node`` is ``k * p`` for a product ``p = M @ y`` in ``products``
+    (``p -> (M, y)``, ``M`` float64) and constant factors ``k`` (through a chain of ``mul``
+    nodes of unchanged shape) that are scalars or scale rows only (last dimension 1), so that
+    ``k * (M @ y) == (k * M) @ y``; else ``None``."""
     scale = torch.ones((), dtype=torch.float64)
     while node not in products:
         if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in _MULS
