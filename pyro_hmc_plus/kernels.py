@@ -262,7 +262,9 @@ class HMC(MCMCKernel):
         return initial
 
     def cleanup(self):
+        step_size = self._step_size
         self._reset()
+        self._step_size = step_size  # as Pyro: `kernel.step_size` is the adapted one after a run
         self._initial_params = None  # as Pyro: the next chain draws its own initial point
 
     def logging(self):

@@ -175,6 +175,7 @@ def test_pyro_mcmc_protocol_hook_save_params_summary_diagnostics_arviz(capsys):
     assert len(stats["lp"]) == 300 and sum(stats["warmup"]) == 100
     assert set(stats) >= {"lp", "energy", "acceptance_rate", "diverging", "step_size", "n_steps"}
     assert all(n == max(1, int(kernel.trajectory_length / s)) for n, s in zip(stats["n_steps"], stats["step_size"]))
+    assert kernel.step_size == stats["step_size"][-1] != 0.1  # as Pyro: the adapted step size after the run
 
 
 def test_two_chains_sequential_and_initial_params_per_chain():
