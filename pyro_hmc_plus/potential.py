@@ -57,10 +57,14 @@ class SiteLayout(NamedTuple):
         return torch.cat(flat, dim=-1)
 
     def unpack(self, z: torch.Tensor) -> Dict[str, torch.Tensor]:
-        """``(..., D)`` -> dict of views of shape ``... + site_shape``."""
+        """``(..., D)`` -> dict of views of shape ``... + site_shape``. (Runs for every draw
+        a kernel hands to Pyro: a lone site, or a vector site, is not split or reshaped.)"""
         batch = z.shape[:-1]
-        pieces = z.split(self.sizes, dim=-1)
-        return {k: p.reshape(batch + s) for k, p, s in zip(self.names, pieces, self.shapes)}
+        pieces = z.split(self.sizes, dim=-1) if len(self.names) > 1 else (z,)
+        return {
+            k: p if len(s) == 1 and p.dim() == len(batch) + 1 else p.reshape(batch + s)
+            for k, p, s in zip(self.names, pieces, self.shapes)
+        }
 
 
 class FlatPotential:

@@ -20,6 +20,8 @@ def test_private_entry_points_exist():
     from torch._inductor import config
 
     assert hasattr(config.cpp, "vec_isa_ok")
+    # calling a loaded AOTInductor program on a flat list of tensors
+    assert hasattr(torch._C._aoti.AOTIModelPackageLoader, "boxed_run")
 
 
 @pytest.mark.slow
