@@ -4,7 +4,7 @@ around it, into programs built once and reused for every step.
 Engines (``engine=`` on the kernels):
 
 ``"trace"``
-    Trace ``(U, dU/dz)`` once with ``make_fx`` into a folded graph of aten ops (refusing
+    Record ``(U, dU/dz)`` once into a folded graph of aten ops (refusing
     latent-dependent Python values, see :mod:`pyro_hmc_plus.tracing`), then record each of
     the sampler's functions around it (a block of leapfrog steps, a whole transition, a NUTS
     doubling) with the gradient inlined, as one ``torch.jit.trace`` program. Ready in a
@@ -159,13 +159,15 @@ class GradientEngine:
         """The gradient graph for ``n`` points at once, ``(n, D) -> ((n,), (n, D))``: traced once
         per ``n`` from ``vmap`` of the single-point graph (also in the middle of recording a
         program), or ``None`` if an op of the graph has no batching rule (e.g. an in-place
-        scatter), in which case the points go through the single-point graph one by one."""
+        scatter), in which case the points go through the single-point graph one by one.
+        Recorded at copies of the initial point (where the model is known to evaluate), or
+        on fake tensors when the compilers' fake-tensor trace of a program asks for it."""
         if n not in self._batched_graphs:
-            flat = self.flat
-            example = torch.zeros(n, flat.dim, dtype=flat.dtype, device=flat.device)
+            example = self.flat.initial_z.expand(n, -1).clone()
             try:
                 with _compile.outside_jit_trace():
-                    graph = tracing.trace(torch.func.vmap(self._graph), (example,), check_escapes=False)
+                    graph = tracing.trace(torch.func.vmap(self._graph), (example,), check_escapes=False,
+                                          fake=self.name in ("aot", "inductor"))
             except (tracing.UntraceableModel, NotImplementedError):
                 graph = None
             self._batched_graphs[n] = graph
@@ -241,7 +243,7 @@ class GradientEngine:
         try:
             # the gradient graph was checked for latent escapes when it was traced; the
             # core's functions around it are branch-free tensor code
-            gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False)
+            gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False, fake=True)
         except tracing.UntraceableModel:
             return None  # the traced program (which does not need make_fx) may still work
         if self.name == "aot":

@@ -1,7 +1,8 @@
 """Tracing a function of flat tensors into a pure FX graph, safely.
 
-``make_fx`` records every tensor operation a function performs on example inputs; the
-result can be re-run (or compiled) at new inputs without Python or Pyro in the way. The
+:func:`trace` records every aten operation a function performs on example inputs (the
+backward of ``torch.autograd.grad`` included); the resulting FX graph can be re-run (or
+compiled) at new inputs without Python or Pyro in the way. The
 danger is a trace that silently freezes a value which depends on the inputs: a Python
 ``if`` on a latent, ``.item()``, ``.tolist()``. Pyro's own ``jit_compile=True`` bakes such
 values in without a word. We refuse them instead: :class:`LatentTaint` is a
@@ -25,7 +26,8 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class UntraceableModel(RuntimeError):
@@ -81,10 +83,74 @@ class LatentTaint(TorchFunctionMode):
         return out
 
 
+class _AtenRecorder(TorchDispatchMode):
+    """Writes every aten operation run under it, on real tensors, into an FX graph: the
+    operations ``make_fx`` would record (the backward of ``torch.autograd.grad`` included),
+    without ``make_fx``'s machinery, whose first use imports ``torch._dynamo`` (~1.5 s of
+    every fresh process, a third of a short NUTS run). Tensors are known by identity (all
+    kept alive while recording); one that no recorded operation produced and that is not
+    an input (the model's data, parameters) becomes a constant of the graph. Each node's
+    ``meta["val"]`` is the tensor it computed, for the simplification passes."""
+
+    def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module):
+        super().__init__()
+        self.graph, self.root = graph, root
+        self._node_of = {}  # id(tensor) -> node
+        self._alive = []  # the tensors of _node_of, so that their ids are not reused
+        self._constants = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls):
+        # torch wraps a mode's __torch_dispatch__ in a lazy ``torch._dynamo.disable``, whose
+        # first call imports dynamo; this mode is never compiled, so opt out (the hook
+        # torch's own docstring names for it; without it, only the import time comes back)
+        return False
+
+    def bind(self, tensor: torch.Tensor, node: torch.fx.Node):
+        self._node_of[id(tensor)] = node
+        self._alive.append(tensor)
+        node.meta["val"] = tensor
+
+    def node_for(self, tensor: torch.Tensor) -> torch.fx.Node:
+        node = self._node_of.get(id(tensor))
+        if node is None:
+            name = f"_tensor_constant{self._constants}"
+            self._constants += 1
+            setattr(self.root, name, tensor)
+            node = self.graph.get_attr(name)
+            self.bind(tensor, node)
+        return node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        node_args, node_kwargs = tree_map_only(torch.Tensor, self.node_for, (args, kwargs))
+        node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
+        if isinstance(out, torch.Tensor):
+            self.bind(out, node)  # an in-place op rebinds its tensor: later readers follow it
+        elif isinstance(out, (tuple, list)):
+            node.meta["val"] = out
+            for i, piece in enumerate(out):
+                if isinstance(piece, torch.Tensor):
+                    self.bind(piece, self.graph.call_function(operator.getitem, (node, i)))
+        return out
+
+
+def _record(fn, example_inputs) -> torch.fx.GraphModule:
+    """``fn(*example_inputs)`` run once under :class:`_AtenRecorder`: a graph of its aten ops."""
+    graph, root = torch.fx.Graph(), torch.nn.Module()
+    recorder = _AtenRecorder(graph, root)
+    for i, x in enumerate(example_inputs):
+        recorder.bind(x, graph.placeholder(f"arg{i}_1"))
+    with recorder:
+        out = fn(*example_inputs)
+    graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
+    return torch.fx.GraphModule(root, graph)
+
+
 def _shared_fake_mode():
-    """One fake-tensor mode for the shape metadata of every node of a trace. Without it,
-    real-tensor ``make_fx`` builds a new mode (and captures a Python stack) per node, which is
-    most of its cost on graphs of hundreds of ops. Private API: on any problem, a no-op."""
+    """One fake-tensor mode for the shape metadata of every node of a ``make_fx`` trace
+    (instead of one per node). Private API: on any problem, a no-op."""
     try:
         from torch._guards import TracingContext, tracing
         from torch._subclasses.fake_tensor import FakeTensorMode
@@ -96,15 +162,17 @@ def _shared_fake_mode():
         return contextlib.nullcontext()
 
 
-def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModule:
+def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) -> torch.fx.GraphModule:
     """Trace ``fn(*example_inputs)`` (all tensors) into a folded FX graph of aten ops.
 
-    Raises :class:`UntraceableModel` if ``fn`` lets a value derived from its inputs escape
-    into Python, or if ``make_fx`` itself cannot follow it. ``check_escapes=False`` skips
-    the escape check (it costs as much as the trace itself) for functions known to be pure
-    tensor code, such as the sampler's own functions around an already checked gradient;
-    those are traced on fake tensors, so no value is computed and a model that fails
-    numerically at the example inputs (a Cholesky beyond its support) still traces.
+    By default ``fn`` runs once on the example inputs while :class:`_AtenRecorder` writes
+    down its operations. Raises :class:`UntraceableModel` if ``fn`` lets a value derived from
+    its inputs escape into Python, or fails. ``check_escapes=False`` skips the escape check
+    (it costs as much as the trace itself) for functions known to be pure tensor code, such
+    as the sampler's own functions around an already checked gradient. ``fake=True`` traces
+    with ``make_fx`` on fake tensors instead (for the compilers, which need its metadata), so
+    no value is computed and a model that fails numerically at the example inputs (a
+    Cholesky beyond its support) still traces.
     """
 
     def tainted_fn(*inputs):
@@ -114,14 +182,14 @@ def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModul
             return fn(*inputs)
 
     try:
-        with _shared_fake_mode():
-            if check_escapes:
-                gm = make_fx(tainted_fn, _error_on_data_dependent_ops=False)(*example_inputs)
-            else:
+        if fake:
+            with _shared_fake_mode():
                 gm = make_fx(fn, tracing_mode="fake", _error_on_data_dependent_ops=False)(*example_inputs)
+        else:
+            gm = _record(tainted_fn if check_escapes else fn, example_inputs)
     except UntraceableModel:
         raise
-    except Exception as e:  # make_fx failures come in many types; all mean "not traceable"
+    except Exception as e:  # tracing failures come in many types; all mean "not traceable"
         raise UntraceableModel(f"tracing failed: {type(e).__name__}: {e}") from e
     fold_constants(gm)
     simplify(gm)
@@ -129,6 +197,10 @@ def trace(fn, example_inputs, check_escapes: bool = True) -> torch.fx.GraphModul
     simplify(gm)  # the reshapes around the products it made
     fold_linear_chains(gm)
     fold_constants(gm)
+    if not fake:  # the recorded values: no longer needed, and as large as the model's data
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                node.meta.pop("val", None)
     return gm
 
 
