@@ -162,7 +162,7 @@ def _counted_and_adapted(chains, done, accept_prob, schedule: Schedule):
 def _level_masks(n: torch.Tensor, K: int):
     """For leaf index ``n (C,)``, which block sizes ``2**k`` (k = 0..K-1) begin at ``n`` and
     which end at it: two ``(C, K)`` bool masks."""
-    low_bits = (1 << torch.arange(K, device=n.device)) - 1  # 2**k - 1
+    low_bits = torch.tensor([(1 << k) - 1 for k in range(K)], device=n.device)  # a constant in a trace
     begins = (n.unsqueeze(-1) & low_bits) == 0
     ends = ((n + 1).unsqueeze(-1) & low_bits) == 0
     return begins, ends

@@ -111,15 +111,21 @@ def _joins_without_u_turn(v_a0, v_a1, p_a1, rho_a, v_b0, v_b1, p_b0, rho_b):
 
 def select(mask: torch.Tensor, a, b, _masks=None):
     """``a`` where ``mask`` else ``b``, field by field through nested records; ``mask`` has
-    the batch shape. (The mask is reshaped once per field rank: in a traced program every
-    view is an operation with its own overhead.)"""
+    the batch shape. In a traced program every operation has its own overhead, so: a field
+    that is the same tensor in both is not selected, and the mask is broadcast once per
+    field rank, by ``unsqueeze`` (a ``reshape`` would also record reading its shape)."""
     masks = {mask.dim(): mask} if _masks is None else _masks
     if isinstance(a, tuple):
         fields = (select(mask, x, y, masks) for x, y in zip(a, b))
         return tuple(fields) if type(a) is tuple else type(a)(*fields)
+    if a is b:
+        return a
     m = masks.get(a.dim())
     if m is None:
-        m = masks[a.dim()] = mask.reshape(mask.shape + (1,) * (a.dim() - mask.dim()))
+        m = mask
+        for _ in range(a.dim() - mask.dim()):
+            m = m.unsqueeze(-1)
+        masks[a.dim()] = m
     return torch.where(m, a, b)
 
 
