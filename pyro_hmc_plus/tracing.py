@@ -170,9 +170,10 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     its inputs escape into Python, or fails. ``check_escapes=False`` skips the escape check
     (it costs as much as the trace itself) for functions known to be pure tensor code, such
     as the sampler's own functions around an already checked gradient. ``fake=True`` traces
-    with ``make_fx`` on fake tensors instead (for the compilers, which need its metadata), so
-    no value is computed and a model that fails numerically at the example inputs (a
-    Cholesky beyond its support) still traces.
+    with ``make_fx`` on fake tensors instead, without the escape check (for the compilers,
+    which need its metadata, on functions around the checked gradient), so no value is
+    computed and a model that fails numerically at the example inputs (a Cholesky beyond its
+    support) still traces.
     """
 
     def tainted_fn(*inputs):
@@ -181,6 +182,8 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
                 taint.mark(x)
             return fn(*inputs)
 
+    if fake and check_escapes:
+        raise ValueError("a fake-tensor trace cannot check for escapes: pass check_escapes=False")
     try:
         if fake:
             with _shared_fake_mode():
