@@ -326,3 +326,10 @@ def test_in_place_updates_are_recorded_in_order():
     U, g = engine.value_and_grad(Z)
     U_ref, g_ref = flat.batched_value_and_grad(Z)
     assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-5)
+
+
+def test_a_fake_tensor_trace_refuses_to_promise_an_escape_check():
+    """``fake=True`` (the compilers' trace) computes no values, so it cannot follow latent
+    values into Python: asking for both is an error, not a silently skipped check."""
+    with pytest.raises(ValueError, match="check_escapes=False"):
+        tracing.trace(lambda x: (x**2).sum(), (torch.ones(2),), fake=True)
