@@ -7,8 +7,8 @@ so a torch upgrade that breaks them is caught).
   than a small model's whole gradient). If that private function is missing, the public
   ``torch.compile(fullgraph=True, dynamic=False)``.
 - :func:`outside_jit_trace`: pauses a ``torch.jit.trace`` recording (``torch._C``'s tracing
-  state), so that a graph needed by the program being recorded can be built with
-  ``make_fx`` in the middle of it.
+  state), so that a graph needed by the program being recorded (a batched gradient) can
+  be recorded in the middle of it.
 - :func:`aot_compile` / :func:`aot_load`: AOTInductor (``torch.export`` +
   ``torch._inductor.aoti_compile_and_package``) into an on-disk cache keyed by the graph
   (called through the loader's ``boxed_run``, without the public wrapper's per-call tree specs),
