@@ -78,18 +78,22 @@ def test_traced_gradient_matches_eager_at_random_points(model, args):
     engine = GradientEngine(flat)
     assert engine.name == "trace"
     gen = torch.Generator().manual_seed(1)
-    for _ in range(5):
-        z = torch.randn(flat.dim, generator=gen) * 2
+    points = [torch.randn(flat.dim, generator=gen) * 2 for _ in range(5)]
+    # a batch of points goes through the same graph, vmapped
+    _assert_engine_matches_eager(engine, points, torch.randn(4, flat.dim, generator=gen), rtol=1e-5, atol=1e-5)
+
+
+def _assert_engine_matches_eager(engine, points, batch, **tolerance):
+    """The engine's ``(U, dU/dz)`` equals eager autograd's at each point ``(D,)`` and for the
+    batch ``(n, D)`` (the vmapped graph, against a loop over the points)."""
+    for z in points:
         U, g = engine.value_and_grad(z)
         U_ref, g_ref = engine.eager_value_and_grad(z)
-        assert torch.allclose(U, U_ref, rtol=1e-5, atol=1e-5)
-        assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-5)
-    # a batch of points goes through the same graph, vmapped
-    Z = torch.randn(4, flat.dim, generator=gen)
-    U, g = engine.value_and_grad(Z)
-    U_ref, g_ref = flat.batched_value_and_grad(Z)
-    assert U.shape == (4,) and torch.allclose(U, U_ref, rtol=1e-5, atol=1e-5)
-    assert torch.allclose(g, g_ref, rtol=1e-5, atol=1e-5)
+        assert torch.allclose(U, U_ref, **tolerance) and torch.allclose(g, g_ref, **tolerance)
+    U, g = engine.value_and_grad(batch)
+    U_ref, g_ref = engine.flat.batched_value_and_grad(batch)
+    assert U.shape == batch.shape[:1]
+    assert torch.allclose(U, U_ref, **tolerance) and torch.allclose(g, g_ref, **tolerance)
 
 
 def test_enumerated_discrete_model_traces():
@@ -317,15 +321,8 @@ def test_in_place_updates_are_recorded_in_order():
         warnings.simplefilter("error", EngineFallbackWarning)
         engine = GradientEngine(flat)
     gen = torch.Generator().manual_seed(3)
-    for _ in range(3):
-        z = torch.randn(3, generator=gen)
-        U, g = engine.value_and_grad(z)
-        U_ref, g_ref = engine.eager_value_and_grad(z)
-        assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-5)
-    Z = torch.randn(4, 3, generator=gen)
-    U, g = engine.value_and_grad(Z)
-    U_ref, g_ref = flat.batched_value_and_grad(Z)
-    assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-5)
+    points = [torch.randn(3, generator=gen) for _ in range(3)]
+    _assert_engine_matches_eager(engine, points, torch.randn(4, 3, generator=gen), rtol=1e-5)
 
 
 def test_a_fake_tensor_trace_refuses_to_promise_an_escape_check():
