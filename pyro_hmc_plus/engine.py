@@ -7,7 +7,8 @@ Engines (``engine=`` on the kernels):
     Record ``(U, dU/dz)`` once into a folded graph of aten ops (refusing
     latent-dependent Python values, see :mod:`pyro_hmc_plus.tracing`), then record each of
     the sampler's functions around it (a block of leapfrog steps, a whole transition, a NUTS
-    doubling) with the gradient inlined, as one ``torch.jit.trace`` program. Ready in a
+    doubling) with the gradient inlined, as one ``torch.jit.trace`` program, run on the
+    CPU by Static Runtime (:func:`pyro_hmc_plus._compile.static_runtime`). Ready in a
     fraction of a second.
 ``"aot"``
     The same graph compiled ahead of time to C++ by AOTInductor and kept in an on-disk
@@ -226,11 +227,14 @@ class GradientEngine:
             return eager
         if traced is None:  # the model fails numerically at every example: run it eagerly
             return eager
-        problem = self._check(traced, reference, validation_inputs, _PROGRAM_MISMATCH)
-        if problem is not None:
-            self._fall_back(problem)
-            return eager
-        return traced
+        problem = None
+        for program in (_compile.static_runtime(traced, examples), traced):  # the faster executor first
+            if program is not None:
+                problem = self._check(program, reference, validation_inputs, _PROGRAM_MISMATCH)
+                if problem is None:
+                    return program
+        self._fall_back(problem)
+        return eager
 
     def _compiled_program(self, fn, examples, key, reference, validation_inputs, skip_aot: bool):
         """``fn`` traced into an FX graph and compiled to C++ (``"aot"``: into the on-disk

@@ -596,7 +596,9 @@ class HMC(MCMCKernel):
                 self._divergences.append(self._t - self._warmup_steps)
         self._mean_accept_prob += (accept_prob - self._mean_accept_prob) / n
         self._t += 1
-        return self._flat.layout.unpack(self._state.z)
+        # a copy: the program's output is an inference tensor (see _compile.static_runtime),
+        # which a hook_fn or Pyro's worker processes could not update in place or share
+        return self._flat.layout.unpack(self._state.z.clone())
 
 
 class NUTS(HMC):

@@ -112,6 +112,8 @@ class FlatPotential:
         ``torch.func``) because Pyro's enumeration code relies on old-style
         ``autograd.Function`` s that functorch refuses.
         """
+        if z.is_inference():  # a Static Runtime program's output: autograd refuses it as is
+            z = z.clone()
         with torch.enable_grad():
             z = z.detach().requires_grad_(True)
             U = self.potential(z)

@@ -22,6 +22,26 @@ def test_private_entry_points_exist():
     assert hasattr(config.cpp, "vec_isa_ok")
     # calling a loaded AOTInductor program on a flat list of tensors
     assert hasattr(torch._C._aoti.AOTIModelPackageLoader, "boxed_run")
+    # Static Runtime for traced programs on the CPU
+    assert callable(getattr(torch._C, "_jit_to_static_module", None))
+
+
+def test_static_runtime_runs_a_traced_program_with_the_same_results():
+    """The executor reuses its intermediate buffers from call to call: a first call's
+    outputs must survive a second call, and equal the TorchScript program's."""
+
+    def fn(z, r):
+        y = torch.where(z > 0, z.exp(), -z) * r
+        return y.sum(), torch.cat([y, y.cumsum(0)])
+
+    x1, x2 = (torch.randn(5), torch.randn(5)), (torch.randn(5), torch.randn(5))
+    traced = torch.jit.trace(fn, x1)
+    program = _compile.static_runtime(traced, x1)
+    first = program(*x1)
+    second = program(*x2)
+    for got, expected in zip(first + second, traced(*x1) + traced(*x2)):
+        assert torch.equal(got, expected)
+    assert all(t.is_inference() for t in first)  # run under InferenceMode: callers must know
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ import pytest
 import torch
 from pyro.infer import MCMC
 
-from pyro_hmc_plus import HMC, EngineFallbackWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
+from pyro_hmc_plus import HMC, NUTS, EngineFallbackWarning, SamplingWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
+import pyro_hmc_plus
 from pyro_hmc_plus import tracing
 
 from helpers import assert_mean, assert_variance
@@ -143,6 +144,35 @@ def test_programs_are_recorded_with_the_gradient_inlined():
     z2, r2 = torch.randn(flat.dim), torch.randn(flat.dim)
     for a, b in zip(program(z2, r2), two_gradients(z2, r2)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_programs_run_on_static_runtime_and_draws_reach_users_as_plain_tensors():
+    """On the CPU the engine runs its programs with Static Runtime (inference tensors come
+    out), yet a hook_fn, the samples and the eager potential get ordinary tensors: a hook may
+    update them in place, autograd accepts them."""
+    flat = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    engine = GradientEngine(flat)
+    program = engine.program(lambda value_and_grad, z: value_and_grad(z), (flat.initial_z,),
+                             [(flat.initial_z,), (flat.initial_z + 0.3,)])
+    U, g = program(flat.initial_z)
+    assert U.is_inference() and g.is_inference()
+    U_eager, g_eager = flat.value_and_grad(g)  # an inference tensor as the eager potential's input
+    assert torch.isfinite(U_eager) and not g_eager.is_inference()
+
+    def hook(kernel, params, stage, i):
+        for value in params.values():
+            value.mul_(1.0)
+
+    for kernel in (NUTS(eight_schools, max_tree_depth=3), HMC(eight_schools, num_steps=3)):
+        mcmc = MCMC(kernel, num_samples=5, warmup_steps=5, hook_fn=hook, disable_progbar=True)
+        mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+        assert not any(v.is_inference() for v in mcmc.get_samples().values())
+    ours = pyro_hmc_plus.MCMC(NUTS(eight_schools, max_tree_depth=3), num_samples=5, warmup_steps=5, num_chains=2,
+                hook_fn=hook, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SamplingWarning)  # 10 draws: the diagnostics complain
+        ours.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    assert not any(v.is_inference() for v in ours.get_samples().values())
 
 
 @pytest.mark.parametrize("escape", [
