@@ -196,6 +196,8 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         raise UntraceableModel(f"tracing failed: {type(e).__name__}: {e}") from e
     fold_constants(gm)
     simplify(gm)
+    fold_support_checks(gm)
+    fold_constants(gm)  # what the support masks, now constants, fed
     fold_constant_solves(gm)
     simplify(gm)  # the reshapes around the products it made
     fold_linear_chains(gm)
@@ -293,8 +295,9 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if not users or not torch.is_tensor(value):
             continue  # only feeds other constants (or is a tuple consumed by getitem)
+        while hasattr(gm, f"_folded_{buffer_count}"):  # an earlier run's constants keep their names
+            buffer_count += 1
         name = f"_folded_{buffer_count}"
-        buffer_count += 1
         gm.register_buffer(name, value.detach().clone() if value._is_view() else value.detach())
         with graph.inserting_before(node):
             attr = graph.get_attr(name)
@@ -677,6 +680,62 @@ def _scaled_product(gm, node, products):
     if scale.dim() > matrix.dim() or torch.broadcast_shapes(scale.shape, matrix.shape) != matrix.shape:
         return None
     return scale * matrix, source
+
+
+# comparisons ``exp(x) <op> c`` whose result the sign of ``exp`` decides: (op, c -> value or None)
+_EXP_COMPARISONS = {
+    aten.lt.Scalar: lambda c: False if c <= 0 else None,
+    aten.le.Scalar: lambda c: False if c < 0 else None,
+    aten.ge.Scalar: lambda c: True if c <= 0 else None,
+    aten.gt.Scalar: lambda c: True if c < 0 else None,
+}
+_MASKED_FILLS = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
+
+
+def fold_support_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Remove distributions' support checks on values that are in the support by
+    construction: a positive site reaches its distribution as ``exp`` of the unconstrained
+    value (Pyro's transform), and e.g. ``HalfCauchy.log_prob`` masks ``value < 0`` to
+    ``-inf``, ``HalfNormal``'s takes a ``where(value >= 0, ...)``, their gradients mask
+    again: 3-4 operations per positive site, in every gradient. ``exp(x) < 0`` is false
+    for every ``x``, NaN included, so masks it selects nothing from are dropped exactly;
+    ``exp(x) >= 0`` is true for every ``x`` but NaN, where the check would have made the
+    log density ``-inf`` (the potential ``+inf``) and now leaves it NaN: both non-finite, so
+    both a divergence for the samplers."""
+    graph = gm.graph
+    masks = 0
+    for node in list(graph.nodes):
+        rule = _EXP_COMPARISONS.get(node.target) if node.op == "call_function" else None
+        source = node.args[0] if rule is not None else None
+        if not (isinstance(source, torch.fx.Node) and source.target is aten.exp.default
+                and isinstance(node.args[1], (int, float)) and torch.is_tensor(_val(node))):
+            continue
+        value = rule(node.args[1])
+        if value is None:
+            continue
+        for user in list(node.users):
+            kept = None
+            if user.target in _MASKED_FILLS and user.args[1] is node and not value:
+                kept = user.args[0]  # fills nothing
+            elif user.target is aten.where.self and user.args[0] is node:
+                kept = user.args[1] if value else user.args[2]
+            if isinstance(kept, torch.fx.Node) and torch.is_tensor(_val(kept)) and torch.is_tensor(_val(user)) \
+                    and _val(kept).shape == _val(user).shape and _val(kept).dtype == _val(user).dtype:
+                user.replace_all_uses_with(kept)
+                graph.erase_node(user)
+        if node.users:  # other uses: the mask as a constant, for fold_constants
+            while hasattr(gm, f"_support_mask_{masks}"):
+                masks += 1
+            name = f"_support_mask_{masks}"
+            gm.register_buffer(name, torch.full(_val(node).shape, value, device=_val(node).device))
+            with graph.inserting_before(node):
+                attr = graph.get_attr(name)
+            attr.meta["val"] = getattr(gm, name)
+            node.replace_all_uses_with(attr)
+        graph.erase_node(node)
+    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    gm.recompile()
+    return gm
 
 
 def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

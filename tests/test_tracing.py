@@ -360,3 +360,35 @@ def test_a_fake_tensor_trace_refuses_to_promise_an_escape_check():
     values into Python: asking for both is an error, not a silently skipped check."""
     with pytest.raises(ValueError, match="check_escapes=False"):
         tracing.trace(lambda x: (x**2).sum(), (torch.ones(2),), fake=True)
+
+
+def _positive_sites(threshold):
+    def model():
+        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(2.0))
+        x = pyro.sample("x", dist.Normal(0.0, tau + sigma))
+        if threshold is not None:  # a data-independent branch on the latent, as a tensor op
+            pyro.factor("knee", torch.where(tau < threshold, -x**2, 0 * x))
+    return model
+
+
+def test_support_checks_of_positive_sites_are_removed_and_others_kept():
+    """HalfCauchy masks ``value < 0`` and HalfNormal takes ``where(value >= 0, ...)``; on
+    ``exp`` of the unconstrained value both are decided, so no comparison, mask or where
+    is left, and the gradient equals Pyro's; a comparison that the sign of ``exp`` does not
+    decide (``tau < 1``) stays. A NaN point still gives a non-finite energy."""
+    checks = {torch.ops.aten.lt.Scalar, torch.ops.aten.ge.Scalar, torch.ops.aten.where.self,
+              torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill_.Scalar}
+    for threshold, kept in ((None, False), (1.0, True)):
+        flat = from_model(_positive_sites(threshold))
+        engine = GradientEngine(flat)
+        assert engine.name == "trace"
+        targets = {n.target for n in engine._graph.graph.nodes if n.op == "call_function"}
+        assert bool(targets & checks) == kept
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            z = 2 * torch.randn(flat.dim, generator=gen)
+            for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
+                assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
+        U, _ = engine.value_and_grad(torch.full((flat.dim,), float("nan")))
+        assert not torch.isfinite(U)
