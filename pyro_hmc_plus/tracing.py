@@ -248,6 +248,20 @@ _IDENTITY_SCALAR = {aten.add.Tensor: 0, aten.sub.Tensor: 0, aten.mul.Tensor: 1, 
                     aten.pow.Tensor_Scalar: 1, aten.mul.Scalar: 1}
 
 
+def _constant_node(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor) -> torch.fx.Node:
+    """A ``get_attr`` node (at the graph's insertion point) for ``value``, kept as a buffer of
+    ``gm`` under the first free name ``{prefix}{i}``: the passes run more than once on a
+    graph, and a name used again would overwrite a constant still in use. Its
+    ``meta["val"]`` is the value, for the passes after."""
+    i = 0
+    while hasattr(gm, f"{prefix}{i}"):
+        i += 1
+    gm.register_buffer(f"{prefix}{i}", value)
+    node = gm.graph.get_attr(f"{prefix}{i}")
+    node.meta["val"] = getattr(gm, f"{prefix}{i}")
+    return node
+
+
 def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Evaluate, once, every node whose inputs are all constants; drop aliasing no-ops.
 
@@ -257,7 +271,6 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     graph = gm.graph
     const = {}
-    buffer_count = 0
     for node in list(graph.nodes):
         if node.op == "get_attr":
             const[node] = getattr(gm, node.target)
@@ -295,12 +308,8 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if not users or not torch.is_tensor(value):
             continue  # only feeds other constants (or is a tuple consumed by getitem)
-        while hasattr(gm, f"_folded_{buffer_count}"):  # an earlier run's constants keep their names
-            buffer_count += 1
-        name = f"_folded_{buffer_count}"
-        gm.register_buffer(name, value.detach().clone() if value._is_view() else value.detach())
         with graph.inserting_before(node):
-            attr = graph.get_attr(name)
+            attr = _constant_node(gm, "_folded_", value.detach().clone() if value._is_view() else value.detach())
         for user in users:
             user.replace_input_with(node, attr)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
@@ -556,18 +565,11 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         forms[node], replaced = _merged(form, inner_of)
         absorbed.update(replaced)
-    buffers = 0
 
     def constant(value: torch.Tensor, dtype, scalar_ok: bool):
-        nonlocal buffers
         if scalar_ok and value.numel() == 1:
             return value.item()
-        name = f"_linear_{buffers}"
-        buffers += 1
-        gm.register_buffer(name, value.to(dtype).reshape(value.shape))
-        attr = graph.get_attr(name)
-        attr.meta["val"] = getattr(gm, name)
-        return attr
+        return _constant_node(gm, "_linear_", value.to(dtype).reshape(value.shape))
 
     def scaled(x, a, b, dtype):
         """``a * x + b`` in at most one op."""
@@ -625,14 +627,10 @@ def _product(gm, matrix: torch.Tensor, x, like):
     where ``x`` is a vector viewed as a ``(1, ..., D, 1)`` column and ``matrix`` has no batch
     (a distribution's Mahalanobis form of one point), reshaped back; ``bmm`` where both are
     3-D with the same batch size; else ``matmul``."""
-    name = f"_matrix_{len(gm._buffers)}"
     graph = gm.graph
 
     def constant(value):
-        gm.register_buffer(name, value.to(like.dtype).contiguous())
-        attr = graph.get_attr(name)
-        attr.meta["val"] = getattr(gm, name)
-        return attr
+        return _constant_node(gm, "_matrix_", value.to(like.dtype).contiguous())
 
     def call(target, args, val):
         node = graph.call_function(target, args)
@@ -703,7 +701,6 @@ def fold_support_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     log density ``-inf`` (the potential ``+inf``) and now leaves it NaN: both non-finite, so
     both a divergence for the samplers."""
     graph = gm.graph
-    masks = 0
     for node in list(graph.nodes):
         rule = _EXP_COMPARISONS.get(node.target) if node.op == "call_function" else None
         source = node.args[0] if rule is not None else None
@@ -724,13 +721,8 @@ def fold_support_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 user.replace_all_uses_with(kept)
                 graph.erase_node(user)
         if node.users:  # other uses: the mask as a constant, for fold_constants
-            while hasattr(gm, f"_support_mask_{masks}"):
-                masks += 1
-            name = f"_support_mask_{masks}"
-            gm.register_buffer(name, torch.full(_val(node).shape, value, device=_val(node).device))
             with graph.inserting_before(node):
-                attr = graph.get_attr(name)
-            attr.meta["val"] = getattr(gm, name)
+                attr = _constant_node(gm, "_support_mask_", torch.full(_val(node).shape, value, device=_val(node).device))
             node.replace_all_uses_with(attr)
         graph.erase_node(node)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
