@@ -13,8 +13,8 @@ so a torch upgrade that breaks them is caught).
   be recorded in the middle of it.
 - :func:`aot_compile` / :func:`aot_load`: AOTInductor (``torch.export`` +
   ``torch._inductor.aoti_compile_and_package``) into an on-disk cache keyed by the graph
-  (called through the loader's ``boxed_run``, without the public wrapper's per-call tree specs),
-  so that a later process loads the compiled program in milliseconds instead of compiling
+  (loaded by torch's C++ package loader and called through its ``boxed_run``: neither
+  ``torch._inductor``'s imports nor the public wrapper's per-call tree specs), so that a later process loads the compiled program in milliseconds instead of compiling
   it again (tens of seconds on a small CPU). ``torch.compile``'s own caches do not serve
   graphs handed to inductor directly ("no shape env"), hence our own.
 """
@@ -154,28 +154,31 @@ def source_digest() -> str:
     return _SOURCE_DIGEST[0]
 
 
-def _as_tuple(runner):
-    """A loaded AOTInductor program as a function of its flat tensors returning a tuple.
-    The public ``runner(*xs)`` parses the program's input and output tree specs and walks
-    them at every call (~150 µs for a batched NUTS state of ~40 tensors, more than the
-    compiled code); our programs take and return flat tensors in the traced order, so the
-    loader's private ``boxed_run`` on the list is the same call without that. Public call
-    where the loader lacks it."""
-    boxed_run = getattr(getattr(runner, "loader", None), "boxed_run", None)
-    if boxed_run is None:
-        return lambda *xs: tuple(runner(*xs))
-    return lambda *xs: tuple(boxed_run(list(xs)))
-
-
 def aot_load(key: str):
-    """The cached compiled program ``key``, or ``None``."""
+    """The cached compiled program ``key`` as a function of its flat tensors returning a
+    tuple, or ``None``.
+
+    Loaded by the C++ package loader itself (``torch._C._aoti.AOTIModelPackageLoader``) and
+    called through its ``boxed_run`` on the flat list of tensors. Why not the public
+    ``torch._inductor.aoti_load_package``: importing ``torch._inductor`` imports
+    ``torch._dynamo`` (~1.7 s of a fresh process, more than a small model's whole warm
+    run), and the public runner parses the program's input and output tree specs at every
+    call (~150 µs for a batched NUTS state of ~40 tensors, more than the compiled code);
+    our programs take and return flat tensors in the traced order. The public path where
+    torch lacks the loader or its ``boxed_run``."""
     path = aot_cache_dir() / f"{key}.pt2"
     if not path.exists():
         return None
+    loader_class = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    if loader_class is not None and hasattr(loader_class, "boxed_run"):
+        # (path, model name, run single-threaded, number of runners, device index)
+        boxed_run = loader_class(str(path), "model", False, 1, -1).boxed_run
+        return lambda *xs: tuple(boxed_run(list(xs)))
     from torch._inductor import aoti_load_package
 
-    with _trusted_cpu_isa():  # loading probes the CPU too (~1 s of test compilations per process)
-        return _as_tuple(aoti_load_package(str(path)))
+    with _trusted_cpu_isa():  # the public loader probes the CPU (~1 s of test compilations per process)
+        runner = aoti_load_package(str(path))
+    return lambda *xs: tuple(runner(*xs))
 
 
 def aot_compile(gm: torch.fx.GraphModule, example_inputs, key: str):
