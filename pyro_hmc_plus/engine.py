@@ -244,6 +244,8 @@ class GradientEngine:
         C++ compilation reorders floating-point sums; where the sampler's energies cancel
         (large U, float32) that can exceed the tolerance although the graph is right. The
         traced program runs Pyro's operations in Pyro's order: it is used instead."""
+        if self.name == "aot" and (skip_aot or key is None):
+            return None  # nothing to compile into: skip the (seconds-long) fake-tensor trace
         try:
             # the gradient graph was checked for latent escapes when it was traced; the
             # core's functions around it are branch-free tensor code
@@ -251,7 +253,7 @@ class GradientEngine:
         except tracing.UntraceableModel:
             return None  # the traced program (which does not need make_fx) may still work
         if self.name == "aot":
-            compiled = None if skip_aot or key is None else self._compile_into_cache(gm, examples, key)
+            compiled = self._compile_into_cache(gm, examples, key)
         else:
             candidates = [examples] + list(validation_inputs[1:])
             compiled = self._first_that_runs(lambda inputs: self._inductor(gm, inputs), candidates)
