@@ -14,9 +14,10 @@ so a torch upgrade that breaks them is caught).
 - :func:`aot_compile` / :func:`aot_load`: AOTInductor (``torch.export`` +
   ``torch._inductor.aoti_compile_and_package``) into an on-disk cache keyed by the graph
   (loaded by torch's C++ package loader and called through its ``boxed_run``: neither
-  ``torch._inductor``'s imports nor the public wrapper's per-call tree specs), so that a later process loads the compiled program in milliseconds instead of compiling
-  it again (tens of seconds on a small CPU). ``torch.compile``'s own caches do not serve
-  graphs handed to inductor directly ("no shape env"), hence our own.
+  ``torch._inductor``'s imports nor the public wrapper's per-call tree specs), so that a
+  later process loads the compiled program in milliseconds instead of compiling it again
+  (tens of seconds on a small CPU). ``torch.compile``'s own caches do not serve graphs
+  handed to inductor directly ("no shape env"), hence our own.
 """
 
 from __future__ import annotations
