@@ -8,9 +8,10 @@ so a torch upgrade that breaks them is caught).
   ``torch.compile(fullgraph=True, dynamic=False)``.
 - :func:`static_runtime`: TorchScript's Static Runtime for a traced program on CPU
   (``torch._C._jit_to_static_module``); where it is missing, the TorchScript program itself.
-- :func:`outside_jit_trace`: pauses a ``torch.jit.trace`` recording (``torch._C``'s tracing
-  state), so that a graph needed by the program being recorded (a batched gradient) can
-  be recorded in the middle of it.
+- :func:`outside_traces`: pauses whatever is recording a program -- a ``torch.jit.trace``
+  (``torch._C``'s tracing state) or a ``make_fx`` trace (its fake-tensor, proxy and
+  torch-function modes) -- so that a graph the program needs (a batched gradient) can be
+  recorded on real tensors in the middle of it.
 - :func:`aot_compile` / :func:`aot_load`: AOTInductor (``torch.export`` +
   ``torch._inductor.aoti_compile_and_package``) into an on-disk cache keyed by the graph
   (loaded by torch's C++ package loader and called through its ``boxed_run``: neither
@@ -59,9 +60,19 @@ def static_runtime(program: torch.jit.ScriptFunction, example_inputs):
 
 
 @contextlib.contextmanager
-def outside_jit_trace():
-    """Run the body as if no ``torch.jit.trace`` were recording (restored afterwards); where
-    torch lacks the private state accessors, raise :class:`NotImplementedError`."""
+def outside_traces():
+    """Run the body as if nothing were recording: neither a ``torch.jit.trace`` nor a
+    ``make_fx`` trace (whose fake-tensor and proxy dispatch modes and torch-function modes
+    are taken off their stacks and put back afterwards). Without this, a graph recorded
+    inside a compiler's fake-tensor trace sees fake tensors and proxies: folding its
+    constants needs their values and fails. Where torch lacks the private accessors and
+    something is recording, raise :class:`NotImplementedError`."""
+    with _outside_jit_trace(), _outside_tracing_modes():
+        yield
+
+
+@contextlib.contextmanager
+def _outside_jit_trace():
     get = getattr(torch._C, "_get_tracing_state", None)
     set_ = getattr(torch._C, "_set_tracing_state", None)
     if get is None or set_ is None:
@@ -75,6 +86,29 @@ def outside_jit_trace():
         yield
     finally:
         set_(state)
+
+
+@contextlib.contextmanager
+def _outside_tracing_modes():
+    from torch.utils import _python_dispatch
+
+    disable_dispatch_modes = getattr(_python_dispatch, "_disable_current_modes", None)
+    function_modes = getattr(torch._C, "_len_torch_function_stack", None)
+    pop, push = getattr(torch.overrides, "_pop_mode", None), getattr(torch.overrides, "_push_mode", None)
+    if None in (disable_dispatch_modes, function_modes, pop, push):
+        from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+        if get_proxy_mode() is not None:
+            raise NotImplementedError("cannot pause a make_fx trace in this torch version")
+        yield
+        return
+    popped = [pop() for _ in range(function_modes())]  # innermost first
+    try:
+        with disable_dispatch_modes():
+            yield
+    finally:
+        for mode in reversed(popped):
+            push(mode)
 
 
 @contextlib.contextmanager

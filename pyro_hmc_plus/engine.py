@@ -159,16 +159,16 @@ class GradientEngine:
     def _batched_graph(self, n: int):
         """The gradient graph for ``n`` points at once, ``(n, D) -> ((n,), (n, D))``: traced once
         per ``n`` from ``vmap`` of the single-point graph (also in the middle of recording a
-        program), or ``None`` if an op of the graph has no batching rule (e.g. an in-place
-        scatter), in which case the points go through the single-point graph one by one.
-        Recorded at copies of the initial point (where the model is known to evaluate), or
-        on fake tensors when the compilers' fake-tensor trace of a program asks for it."""
+        program, be it a TorchScript recording or a compiler's fake-tensor trace), or
+        ``None`` if an op of the graph has no batching rule (e.g. an in-place scatter), in
+        which case the points go through the single-point graph one by one. Recorded at
+        copies of the initial point (where the model is known to evaluate), whatever the
+        engine, so every engine inlines the same graph."""
         if n not in self._batched_graphs:
-            example = self.flat.initial_z.expand(n, -1).clone()
             try:
-                with _compile.outside_jit_trace():
-                    graph = tracing.trace(torch.func.vmap(self._graph), (example,), check_escapes=False,
-                                          fake=self.name in ("aot", "inductor"))
+                with _compile.outside_traces():
+                    example = self.flat.initial_z.expand(n, -1).clone()
+                    graph = tracing.trace(torch.func.vmap(self._graph), (example,), check_escapes=False)
             except (tracing.UntraceableModel, NotImplementedError):
                 graph = None
             self._batched_graphs[n] = graph

@@ -17,6 +17,13 @@ def test_private_entry_points_exist():
     # pausing a torch.jit.trace recording (batched gradient graphs built mid-recording)
     assert callable(getattr(torch._C, "_get_tracing_state", None))
     assert callable(getattr(torch._C, "_set_tracing_state", None))
+    # pausing a make_fx trace (the same, inside a compiler's fake-tensor trace)
+    from torch.utils import _python_dispatch
+
+    assert callable(getattr(_python_dispatch, "_disable_current_modes", None))
+    assert callable(getattr(torch._C, "_len_torch_function_stack", None))
+    assert callable(getattr(torch.overrides, "_pop_mode", None))
+    assert callable(getattr(torch.overrides, "_push_mode", None))
     from torch._inductor import config
 
     assert hasattr(config.cpp, "vec_isa_ok")

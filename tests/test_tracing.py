@@ -392,3 +392,19 @@ def test_support_checks_of_positive_sites_are_removed_and_others_kept():
         _assert_engine_matches_eager(engine, points, rtol=1e-5, atol=1e-5)
         U, _ = engine.value_and_grad(torch.full((flat.dim,), float("nan")))
         assert not torch.isfinite(U)
+
+
+def test_the_batched_gradient_is_recorded_inside_a_compilers_fake_tensor_trace():
+    """The compilers (``engine="aot"``/``"inductor"``) trace a many-chain program on fake
+    tensors, and the batched gradient graph is first asked for in the middle of that trace.
+    It must be recorded there on real tensors (its constant folding needs values), not given
+    up for the loop over points, which also made the compiled many-chain program fail to
+    trace and fall back to a slower traced one."""
+    flat = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    engine = GradientEngine(flat, "inductor")
+    batch = flat.initial_z + torch.randn(3, flat.dim, generator=torch.Generator().manual_seed(0))
+    program = tracing.trace(lambda z: engine.value_and_grad(z), (batch,), check_escapes=False, fake=True)
+    assert engine._batched_graphs[3] is not None
+    U, g = program(batch)
+    U_ref, g_ref = flat.batched_value_and_grad(batch)
+    assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-5, atol=1e-6)
