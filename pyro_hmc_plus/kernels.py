@@ -43,6 +43,23 @@ def _unflatten(structure, leaves):
     return tuple(values) if kind is tuple else kind(*values)
 
 
+class _Program:
+    """A compiled program over nested records of tensors. Calling it takes and returns the
+    records; :meth:`flat` takes and returns their tensors in :func:`_flatten`'s order, for
+    a loop that keeps its state flat between calls (taking records apart and rebuilding
+    them costs more than a small compiled call)."""
+
+    def __init__(self, compiled, out_structure: list):
+        self.flat = compiled
+        self._out_structure = out_structure  # set by the first trace (or eager call)
+
+    def __call__(self, *args):
+        leaves = []
+        _flatten(args, leaves)
+        out = self.flat(*leaves)
+        return _unflatten(self._out_structure[0], iter(out))
+
+
 def _host_values(*scalars: torch.Tensor) -> list:
     """The per-draw statistics (0-d tensors of any dtype) as Python floats, in one host read."""
     return torch.stack([x.to(torch.float64) for x in scalars]).tolist()
@@ -457,13 +474,7 @@ class HMC(MCMCKernel):
                 _flatten(args, flat_inputs[-1])
             cache_key = (type(self).__name__, key, self._program_settings())
             compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs, cache_key=cache_key)
-
-            def program(*args):
-                leaves = []
-                _flatten(args, leaves)
-                out = compiled(*leaves)  # sets out_structure on an eager engine's first call
-                return _unflatten(out_structure[0], iter(out))
-
+            program = _Program(compiled, out_structure)
             if self._engine.name != before:  # fell back: earlier programs are for the old engine
                 self._programs = {}
             self._programs[key] = program

@@ -276,3 +276,34 @@ def test_progress_bar_shows_phase_divergences_and_step_sizes(capsys):
     err = capsys.readouterr().err
     assert "Sample" in err and "160/160" in err
     assert "divergences=" in err and "step size=" in err
+
+
+def test_draws_are_split_by_chain_in_the_order_each_chain_made_them(monkeypatch):
+    """The vectorized loop keeps each call's ``(T, C, ...)`` block of slots and splits it
+    into per-chain rows only when asked (and every few calls): rows must come out per chain
+    in the order made, and the post-warmup divergences counted once each."""
+    from pyro_hmc_plus.mcmc import _Rows
+
+    monkeypatch.setattr(_Rows, "FLUSH_EVERY", 3)
+    D, C, T, W = 1, 3, 2, 2
+    div = D + leafwise.STAT_COLUMNS.index("diverging")
+    rows = _Rows(C, W, torch.zeros(0, D + leafwise.NUM_STATS))
+    gen = torch.Generator().manual_seed(0)
+    expected = [[] for _ in range(C)]
+    for call in range(7):
+        draws = torch.zeros(T, C, D + leafwise.NUM_STATS)
+        done = torch.rand(T, C, generator=gen) < 0.6
+        for t in range(T):
+            for c in range(C):
+                draws[t, c, 0] = 100 * call + 10 * t + c  # which slot made it
+                draws[t, c, div] = float((call + t + c) % 2)
+                if done[t, c]:
+                    expected[c].append(draws[t, c].clone())
+        rows.add(draws, done)
+        if call == 4:
+            assert torch.equal(rows.of_chain(1), torch.stack(expected[1]))
+    divergent = sum(int(r[div]) for e in expected for r in e[W:])
+    assert rows.divergences() == divergent > 0
+    for c in range(C):
+        assert torch.equal(rows.of_chain(c), torch.stack(expected[c]) if expected[c] else torch.zeros(0, D + leafwise.NUM_STATS))
+    assert rows.divergences() == divergent  # asking again counts nothing twice
