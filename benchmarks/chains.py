@@ -21,6 +21,7 @@ ESS/s relative to our sequential chains with the same number of chains.
     python benchmarks/chains.py --reps 3
     python benchmarks/chains.py --models gauss2d --kernels nuts --chains 4 --reps 5
     python benchmarks/chains.py --kernels nuts --chains 4 --engine aot --warm   # compiled programs, cached
+    python benchmarks/chains.py --kernels nuts --chains 4 --engine aot --warm --leaves-per-call 8
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ def min_bulk_ess(samples: dict) -> float:
     return worst
 
 
-def run_one(model_name, kernel_name, contender, num_chains, warmup, samples, seed, engine="auto") -> dict:
+def run_one(model_name, kernel_name, contender, num_chains, warmup, samples, seed, engine="auto",
+            leaves_per_call=4) -> dict:
     """Runs in the child process."""
     import pyro
     import torch
@@ -72,6 +74,8 @@ def run_one(model_name, kernel_name, contender, num_chains, warmup, samples, see
         from pyro_hmc_plus import HMC, MCMC, NUTS
 
         options = {"chain_method": contender, "warn_on_problems": False}  # Pyro's MCMC has no checks either
+        if contender == "vectorized":
+            options["leaves_per_call"] = leaves_per_call
     ours = {} if contender == "pyro_parallel" else {"engine": engine}
     kernel = NUTS(model, **ours) if kernel_name == "nuts" else HMC(model, step_size=0.25, num_steps=10, **ours)
     mcmc = MCMC(kernel, num_samples=samples, warmup_steps=warmup, num_chains=num_chains,
@@ -94,18 +98,20 @@ def main():
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--engine", default="auto", help="our kernels' engine (e.g. aot, with --warm)")
+    parser.add_argument("--leaves-per-call", type=int, default=4,
+                        help="vectorized runs' leapfrog steps per chain in one call (MCMC's leaves_per_call)")
     parser.add_argument("--warm", action="store_true", help="one untimed run per contender first (fills on-disk caches)")
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         model_name, kernel_name, contender, num_chains, seed = args.child
         result = run_one(model_name, kernel_name, contender, int(num_chains), args.warmup, args.samples, int(seed),
-                         args.engine)
+                         args.engine, args.leaves_per_call)
         print(json.dumps(result))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(f"{args.warmup} warmup + {args.samples} draws per chain, fresh process per run, median of {args.reps}, "
-          f"engine {args.engine!r}, {'warm' if args.warm else 'cold'}")
+          f"engine {args.engine!r}, {'warm' if args.warm else 'cold'}, {args.leaves_per_call} leaves per call")
     print(f"{'model':<14} {'kernel':<6} {'chains':>6} {'contender':<14} {'wall s':>8} {'min ESS':>8} "
           f"{'ESS/s':>8} {'vs seq.':>8} {'util.':>6}")
     for model_name in args.models:
@@ -118,7 +124,8 @@ def main():
                     for contender in contenders:  # alternate, so load changes hit every contender
                         cmd = [sys.executable, __file__, "--child", model_name, kernel_name, contender,
                                str(num_chains), str(rep % 1000), "--warmup", str(args.warmup),
-                               "--samples", str(args.samples), "--engine", args.engine]
+                               "--samples", str(args.samples), "--engine", args.engine,
+                               "--leaves-per-call", str(args.leaves_per_call)]
                         out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                         if out.returncode != 0:
                             print(f"{model_name} {kernel_name} {contender} x{num_chains} failed:\n"
