@@ -52,7 +52,10 @@ class MCMC(pyro.infer.MCMC):
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
         run (a chain starts its next transition within the call as soon as one ends; HMC
-        without step-size adaptation runs at least one whole trajectory per call).
+        without step-size adaptation runs at least one whole trajectory per call). More
+        leaves per call spread the host's work per call thinner but make a longer program
+        to trace or compile: with programs compiled to C++ (``engine="aot"``) 8 is faster
+        (4 NUTS chains of eight schools: 0.9 s against 1.1 s warm), with traced ones 4.
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
         (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
         and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
