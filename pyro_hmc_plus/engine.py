@@ -115,6 +115,7 @@ class GradientEngine:
         self.rejected_compiled_programs = 0  # compiled programs that failed validation
         self._gradient_key = None
         self.fallback_reason = None
+        self._said_not_compiled = False
         self._graph = None
         self._batched_graphs = {}  # batch size -> graph (or None: not vmappable)
         if self.name != "eager":
@@ -250,7 +251,8 @@ class GradientEngine:
             # the gradient graph was checked for latent escapes when it was traced; the
             # core's functions around it are branch-free tensor code
             gm = tracing.trace(lambda *xs: fn(self.value_and_grad, *xs), examples, check_escapes=False, fake=True)
-        except tracing.UntraceableModel:
+        except tracing.UntraceableModel as e:
+            self._not_compiled(e)
             return None  # the traced program (which does not need make_fx) may still work
         if self.name == "aot":
             compiled = self._compile_into_cache(gm, examples, key)
@@ -326,6 +328,19 @@ class GradientEngine:
                 raise
             self._compiler_failed("TorchInductor", e)
             return None
+
+    def _not_compiled(self, error: Exception):
+        """The compilers' fake-tensor trace failed on a program, which then runs traced:
+        say so once (the user asked for compiled programs; such a failure once went unseen
+        for a whole feature)."""
+        if not self._said_not_compiled:
+            self._said_not_compiled = True
+            warnings.warn(
+                f"engine={self.name!r}: a sampler program could not be traced for the C++ compiler "
+                f"({error}); it runs as a traced program instead (correct, slower)",
+                EngineFallbackWarning,
+                stacklevel=5,
+            )
 
     def _compiler_failed(self, compiler: str, error: Exception):
         """A C++ compiler failed on a program: warn, and trace from now on."""

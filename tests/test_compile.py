@@ -139,3 +139,36 @@ def test_compilations_trust_the_cpu_isa_without_changing_the_users_settings():
     with _compile._trusted_cpu_isa():
         assert config.cpp.vec_isa_ok is True
     assert config.cpp.vec_isa_ok == before
+
+
+def test_a_program_the_compilers_cannot_trace_runs_traced_and_says_so_once(monkeypatch):
+    """With ``engine="aot"``/``"inductor"`` the user asked for compiled programs: a program
+    whose fake-tensor trace fails still runs (traced), and one warning says why."""
+    import warnings
+
+    from pyro_hmc_plus import EngineFallbackWarning, GradientEngine, from_potential_fn, tracing
+
+    flat = from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.zeros(3)}, None)
+    engine = GradientEngine(flat, "inductor")
+    trace = tracing.trace
+
+    def fake_trace_fails(fn, examples, check_escapes=True, fake=False):
+        if fake:
+            raise tracing.UntraceableModel("tracing failed: DataDependentOutputException")
+        return trace(fn, examples, check_escapes=check_escapes)
+
+    monkeypatch.setattr(tracing, "trace", fake_trace_fails)
+
+    def fn(value_and_grad, z):
+        return value_and_grad(z)
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        programs = [engine.program(fn, (z,), [(z,), (z + 1,)]) for _ in range(2)]
+    said = [w for w in caught if issubclass(w.category, EngineFallbackWarning)]
+    assert len(said) == 1 and "DataDependentOutputException" in str(said[0].message)
+    for program in programs:
+        U, g = program(z)
+        assert torch.allclose(U, 0.5 * (z**2).sum()) and torch.allclose(g, z)
+    assert engine.name == "inductor"
