@@ -388,14 +388,12 @@ class _VectorizedRun:
         C, T = self.C, self.T
         program = self._advance_program()
         z = self.chains.position.z
-        leaves, fixed = [], []
-        structure = _flatten(self.chains, leaves)
-        _flatten((self.metric, self.schedule), fixed)
+        structure, leaves, fixed = self._flat_inputs()
         n = len(leaves)
         rows = _Rows(C, self.W, z.new_zeros(0, self.D + leafwise.NUM_STATS))
         counts = [0] * C
         pause_at = self.schedule.pause_at.tolist()
-        actives = []
+        calls, useful = 0, torch.zeros((), dtype=torch.int64)  # slots that did work, summed without host reads
         bar = tqdm(total=C * self.total, disable=disable_progbar, dynamic_ncols=True, desc="Warmup")
         last_postfix = 0.0
         try:
@@ -415,7 +413,7 @@ class _VectorizedRun:
                 if hook is not None:
                     self._call_hook(hook, draws, done, counts)
                 rows.add(draws, done)
-                actives.append(active)
+                calls, useful = calls + 1, useful + active.sum()
                 for c in range(C):
                     counts[c] += emitted[c]
                 paused = [c for c in range(C) if counts[c] == pause_at[c] and counts[c] < self.total]
@@ -426,9 +424,7 @@ class _VectorizedRun:
                         self._update_metric(c, window, rows.of_chain(c))
                         pause_at[c] = self._next_pause(counts[c])
                     self.schedule = self.schedule._replace(pause_at=torch.tensor(pause_at, device=z.device))
-                    leaves, fixed = [], []
-                    _flatten(self.chains, leaves)
-                    _flatten((self.metric, self.schedule), fixed)
+                    _, leaves, fixed = self._flat_inputs()
                 bar.update(sum(emitted))
                 now = time.monotonic()
                 if now - last_postfix > 0.5 and not disable_progbar:
@@ -448,9 +444,17 @@ class _VectorizedRun:
             if not disable_progbar:
                 self._describe(bar, counts, rows.divergences())
             bar.close()
-            slots = T * C * len(actives)
-            self.utilisation = int(torch.stack(actives).sum()) / slots if slots else float("nan")
+            slots = T * C * calls
+            self.utilisation = int(useful) / slots if slots else float("nan")
         return [rows.of_chain(c) for c in range(C)]
+
+    def _flat_inputs(self):
+        """``(structure, chain leaves, metric and schedule leaves)``: the program's inputs
+        besides the random numbers, as the flat lists its ``flat`` call takes."""
+        leaves, fixed = [], []
+        structure = _flatten(self.chains, leaves)
+        _flatten((self.metric, self.schedule), fixed)
+        return structure, leaves, fixed
 
     def _call_hook(self, hook, draws, done, counts):
         """``hook_fn(kernel, params, stage, i)`` for each draw of a call, in the order made
