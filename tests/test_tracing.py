@@ -408,3 +408,49 @@ def test_the_batched_gradient_is_recorded_inside_a_compilers_fake_tensor_trace()
     U, g = program(batch)
     U_ref, g_ref = flat.batched_value_and_grad(batch)
     assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-5, atol=1e-6)
+
+
+def _plate_regression(x, y):
+    def model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        sigma = pyro.sample("sigma", dist.HalfNormal(2.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Normal(mu + x, sigma), obs=y)
+    return model
+
+
+def test_scalars_broadcast_by_a_plate_are_computed_before_broadcasting():
+    """``Normal(loc, sigma)`` over a plate of 500 takes ``log``/``pow`` of ``sigma`` expanded
+    to 500 elements, its gradient divides by it again, and the gradient's folded constants
+    are 500 copies of one number: after tracing, no ``expand`` is left, ``log`` and ``pow``
+    of the scale run on one element, and values (one point and a batch) equal Pyro's."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(500, generator=gen), torch.randn(500, generator=gen)
+    flat = from_model(_plate_regression(x, y))
+    engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    nodes = [n for n in engine._graph.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.expand.default not in {n.target for n in nodes}
+    sigma_ops = [n for n in nodes if n.target in (torch.ops.aten.log.default, torch.ops.aten.pow.Tensor_Scalar)
+                 and n.args[0].target is torch.ops.aten.exp.default]
+    assert sigma_ops, "the scale's log and square are still in the graph"
+    assert all(getattr(engine._graph, n.target).numel() == 1
+               for n in engine._graph.graph.nodes if n.op == "get_attr" and n.target.startswith("_uniform_"))
+    points = [torch.randn(flat.dim, generator=gen) for _ in range(4)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
+
+
+def test_a_broadcast_whose_result_type_depends_on_its_shape_is_kept():
+    """A 0-d float64 tensor broadcast to a vector and multiplied with a float32 vector gives
+    float64; unbroadcast, type promotion would give float32: that op keeps its ``expand``."""
+    def fn(z):
+        scale = z.sum().double().expand(3)
+        return (scale * z, (z.exp().expand(2, 3) * 2.0).sum(0))
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    gm = tracing.trace(fn, (z,), check_escapes=False)
+    out, summed = gm(z)
+    assert out.dtype == torch.float64 and torch.equal(out, fn(z)[0])
+    assert torch.allclose(summed, fn(z)[1])
+    kept = [n for n in gm.graph.nodes if n.target is torch.ops.aten.expand.default]
+    assert len(kept) == 2  # the float64 broadcast, and the one the final sum needs
