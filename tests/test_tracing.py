@@ -454,3 +454,29 @@ def test_a_broadcast_whose_result_type_depends_on_its_shape_is_kept():
     assert torch.allclose(summed, fn(z)[1])
     kept = [n for n in gm.graph.nodes if n.target is torch.ops.aten.expand.default]
     assert len(kept) == 2  # the float64 broadcast, and the one the final sum needs
+
+
+def _grouped_intercepts(group, y, shift: int):
+    def model():
+        a = pyro.sample("a", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(a[group - shift], 1.0).to_event(1), obs=y)
+    return model
+
+
+def test_gathering_by_a_constant_group_index_uses_index_select_and_index_add():
+    """``a[group]`` and its gradient (an accumulating ``index_put``) become ``index_select``
+    and ``index_add``, single point and batch, with Pyro's values; an index with negative
+    entries (counted from the end, which ``index_select`` refuses) keeps ``a[group]``."""
+    gen = torch.Generator().manual_seed(0)
+    group = torch.arange(4).repeat_interleave(5)[torch.randperm(20, generator=gen)]
+    y = torch.randn(20, generator=gen)
+    aten = torch.ops.aten
+    for shift, rewritten in ((0, True), (2, False)):
+        flat = from_model(_grouped_intercepts(group, y, shift))
+        engine = GradientEngine(flat)
+        assert engine.name == "trace"
+        targets = {n.target for n in engine._graph.graph.nodes if n.op == "call_function"}
+        assert ({aten.index_select.default, aten.index_add.default} <= targets) == rewritten
+        assert bool(targets & {aten.index.Tensor, aten.index_put.default}) != rewritten
+        points = [torch.randn(flat.dim, generator=gen) for _ in range(3)]
+        _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-5)
