@@ -636,8 +636,11 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     ops after it shrink in turn. The values are the same, element for element; the
     hierarchical benchmark model's gradient does ~25 fewer 960-element operations. An op
     whose result type would change (type promotion treats 0-d tensors differently) is left
-    as it is."""
+    as it is; in a graph with in-place updates no result becomes an ``expand`` (a write
+    into it would hit one element many times), only operands are unbroadcast."""
     graph = gm.graph
+    writes_in_place = any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
+                          for n in graph.nodes if n.op == "call_function")
     uniform = {}  # constant node -> its one value as a 0-d constant node (or None)
 
     def unbroadcast(arg):
@@ -672,6 +675,8 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if val.shape == out.shape:
             node.args = args
+            continue
+        if writes_in_place:
             continue
         with graph.inserting_before(node):
             small = graph.call_function(node.target, args, dict(node.kwargs))

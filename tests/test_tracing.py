@@ -480,3 +480,17 @@ def test_gathering_by_a_constant_group_index_uses_index_select_and_index_add():
         assert bool(targets & {aten.index.Tensor, aten.index_put.default}) != rewritten
         points = [torch.randn(flat.dim, generator=gen) for _ in range(3)]
         _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-5)
+
+
+def test_a_broadcast_result_updated_in_place_stays_a_full_tensor():
+    """An in-place update of an op's result cannot write into an ``expand`` (one element
+    seen many times): in a graph with in-place updates, results keep their shape."""
+    def fn(z):
+        t = z.sum().exp().expand(3) * 2.0
+        t.add_(z)
+        return (t * 3.0).sum(), t
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    gm = tracing.trace(fn, (z,), check_escapes=False)
+    for actual, expected in zip(gm(z), fn(z)):
+        assert torch.allclose(actual, expected)
