@@ -494,3 +494,26 @@ def test_a_broadcast_result_updated_in_place_stays_a_full_tensor():
     gm = tracing.trace(fn, (z,), check_escapes=False)
     for actual, expected in zip(gm(z), fn(z)):
         assert torch.allclose(actual, expected)
+
+
+def test_recorded_programs_take_numbers_as_tensors_of_their_operands_dtype():
+    """``x * 2``, ``u < 0.5``, ``n + 1``, ``0.3 - x``, ``x - 0.1``, ``x ** 2`` are recorded
+    with a number (a Python scalar, or a 0-d tensor of another dtype); the program takes a
+    0-d constant of the operand's dtype instead (``x * x`` for the square), with the same
+    values and dtypes. An int tensor meeting a float keeps the number (the comparison is
+    made in floating point)."""
+    def fn(x, n):
+        return x * 2, x > 0.5, n + 1, x ** 2, 0.3 - x, x - 0.1, n > 1.5, n / 2
+
+    x, n = torch.tensor([0.1, -2.5, 3.0]), torch.tensor([1, 2, 3])
+    program = tracing.to_torchscript(fn, (x, n))
+    for actual, expected in zip(program(x, n), fn(x, n)):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
+    ops = [node for node in program.graph.nodes() if node.kind().startswith("aten::")]
+    assert "aten::pow" not in {node.kind() for node in ops}
+    numbers = [node.kind() for node in ops
+               if any(v.node().kind() == "prim::Constant" and v.type().kind() in ("FloatType", "IntType")
+                      or v.type().kind() == "TensorType" and v.node().kind() == "prim::Constant"
+                      and v.type().scalarType() != node.inputsAt(0).type().scalarType()
+                      for v in list(node.inputs())[1:2])]
+    assert numbers == ["aten::gt"]  # n > 1.5 (n / 2 divides by a long tensor: n's own dtype)
