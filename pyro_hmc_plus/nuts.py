@@ -192,6 +192,19 @@ def _subtree_blocks(num_leaves: int, device, dtype):
     )
 
 
+def _log_sum_exp(log_w: torch.Tensor, num_leaves: int) -> torch.Tensor:
+    """``logsumexp`` over the last dimension, of size ``num_leaves`` (a subtree's leaves), in
+    one op for one or two leaves: torch's ``logsumexp`` is a composite of ~7 ops (~10 µs in a
+    traced program, against ~3 for these), and most subtrees of a NUTS transition are that
+    small. (``num_leaves`` is passed, not read from the shape, which a recording would
+    follow as a tensor.)"""
+    if num_leaves == 1:
+        return log_w[..., 0]
+    if num_leaves == 2:
+        return torch.logaddexp(log_w[..., 0], log_w[..., 1])
+    return torch.logsumexp(log_w, -1)
+
+
 def build_subtree(
     value_and_grad: Callable,
     start: IntegratorState,
@@ -240,7 +253,7 @@ def build_subtree(
     failures_before = fail.cumsum(-1) - fail.to(torch.int64)
     counted = failures_before == 0  # Stan stops at the first failure, that step included
     accept = torch.exp(delta.clamp(max=0.0))
-    log_weight = torch.logsumexp(log_w, -1)
+    log_weight = _log_sum_exp(log_w, L)
     cdf = torch.exp(log_w - log_weight.unsqueeze(-1)).cumsum(-1)
     idx = (cdf < u.unsqueeze(-1)).sum(-1).clamp(max=L - 1)
     D = start.z.shape[-1]
