@@ -523,16 +523,11 @@ class _Rows:
         done = torch.cat([m for _, m in self.pending])
         emitted = draws[done]  # call by call, step by step, chain by chain
         by_chain = torch.sort(done.nonzero()[:, 1], stable=True).indices
-        new = emitted[by_chain].split(done.sum(0).tolist())
-        divergences = 0
-        for c, chunk in enumerate(new):
-            post = chunk[max(self.W - self.made[c], 0) :, self.diverging_column]
-            divergences += int(post.sum()) if len(post) else 0
-        for c, chunk in enumerate(new):
+        for c, chunk in enumerate(emitted[by_chain].split(done.sum(0).tolist())):
             if len(chunk):
+                self.post_warmup_divergences += int(chunk[max(self.W - self.made[c], 0) :, self.diverging_column].sum())
                 self.chunks[c].append(chunk)
                 self.made[c] += len(chunk)
-        self.post_warmup_divergences += divergences
         self.pending = []
 
     def divergences(self) -> int:
