@@ -77,3 +77,10 @@ def logistic_regression(x, y):
     b = pyro.sample("b", dist.Normal(0.0, 2.0))
     with pyro.plate("data", len(y)):
         pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
+
+
+def failing_potential(params):
+    """A Gaussian whose potential raises (Cholesky of a non-PD matrix) beyond |x| = 2."""
+    x = params["x"]
+    m = torch.stack([torch.stack([torch.ones(()), torch.zeros(())]), torch.stack([torch.zeros(()), 4.0 - x[0] ** 2])])
+    return 0.5 * (x**2).sum() - torch.linalg.cholesky(m).diagonal().log().sum()

@@ -16,7 +16,16 @@ from pyro_hmc_plus.hmc import HMCState
 from pyro_hmc_plus.metric import make_metric
 
 from helpers import Z, assert_mean, assert_variance, mcse_mean
-from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, PRECISION, eight_schools, gauss2d, normal_normal, normal_normal_posterior
+from models import (
+    EIGHT_SCHOOLS_SIGMA,
+    EIGHT_SCHOOLS_Y,
+    PRECISION,
+    eight_schools,
+    failing_potential,
+    gauss2d,
+    normal_normal,
+    normal_normal_posterior,
+)
 from test_nuts import PREC, stan_tree
 
 COV2 = torch.linalg.inv(PRECISION)
@@ -189,13 +198,6 @@ def test_interrupt_keeps_the_draws_made_so_far():
     assert q.shape[0] == 4 and 0 < q.shape[1] < 200
     assert {s.split(" ")[0] for s in calls} == {"Warmup", "Sample"}
     assert len(mcmc.kernel.sample_stats[-1]["lp"]) >= 100
-
-
-def failing_potential(params):
-    """A Gaussian whose potential raises (Cholesky of a non-PD matrix) beyond |x| = 2."""
-    x = params["x"]
-    m = torch.stack([torch.stack([torch.ones(()), torch.zeros(())]), torch.stack([torch.zeros(()), 4.0 - x[0] ** 2])])
-    return 0.5 * (x**2).sum() - torch.linalg.cholesky(m).diagonal().log().sum()
 
 
 @pytest.mark.parametrize("engine", ["auto", "eager"])

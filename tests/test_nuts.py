@@ -29,6 +29,7 @@ from models import (
     dirichlet_categorical,
     eight_schools,
     eight_schools_centered,
+    failing_potential,
     gamma_poisson,
     gamma_poisson_posterior,
     gauss2d,
@@ -303,6 +304,25 @@ def test_centered_eight_schools_reports_divergences():
     stats = kernel.sample_stats[0]
     flagged = [i - 300 for i, d in enumerate(stats["diverging"]) if d and i >= 300]
     assert flagged == divergences
+
+
+@pytest.mark.parametrize("engine", ["auto", "eager"])
+def test_model_failing_numerically_ends_the_transition_as_a_divergence(engine):
+    """A potential that raises beyond |x| = 2 (eager autograd raises there; a traced program
+    may return NaN instead): a doubling that fails -- the first or a later one (both happen
+    here with the eager engine) -- ends its transition as a divergence that keeps the tree
+    built so far, and the run carries on."""
+    pyro.set_rng_seed(0)
+    kernel = NUTS(potential_fn=failing_potential, step_size=0.5, adapt_step_size=False, engine=engine)
+    mcmc = MCMC(kernel, num_samples=200, warmup_steps=0, initial_params={"x": torch.zeros(1)}, disable_progbar=True)
+    mcmc.run()
+    x = mcmc.get_samples()["x"]
+    assert (x.abs() < 2).all() and x.std() > 0.5
+    divergences = mcmc.diagnostics()["divergences"]["chain 0"]
+    assert len(divergences) > 0
+    stats = kernel.sample_stats[0]
+    assert [i for i, d in enumerate(stats["diverging"]) if d] == divergences
+    assert min(stats["n_steps"]) >= 1
 
 
 # ---------------------------------------------------------------------------- the Pyro protocol
