@@ -198,11 +198,7 @@ def nuts_advance(
     # the leaf's energy, weight, acceptance statistic and divergence
     v = velocity(leaf.r, inv)
     H = leaf.potential_energy + 0.5 * (leaf.r * v).sum(-1)
-    delta = tree.H0 - H
-    delta = torch.where(torch.isnan(delta), torch.full_like(delta, -float("inf")), delta)
-    excess = tree.log_slice - delta
-    divergent = excess > max_energy_error
-    log_w = delta if multinomial else torch.where(excess <= 0, torch.zeros_like(delta), torch.full_like(delta, -float("inf")))
+    delta, log_w, divergent = nuts.leaf_weights(H, tree.H0, tree.log_slice, multinomial, max_energy_error)
     log_weight = torch.logaddexp(c.log_weight, log_w)
     take = uniforms[..., LEAF_DRAW] < torch.exp(log_w - log_weight)
     proposal = select(take, HMCState(leaf.z, leaf.potential_energy, leaf.grad), c.proposal)

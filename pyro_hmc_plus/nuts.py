@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .hmc import MAX_ENERGY_ERROR, HMCState
-from .integrator import IntegratorState, leapfrog_trajectory
+from .integrator import IntegratorState, leapfrog, leapfrog_trajectory
 from .metric import Metric, is_dense, kinetic_energy, momentum, velocity
 
 
@@ -205,6 +205,43 @@ def _log_sum_exp(log_w: torch.Tensor, num_leaves: int) -> torch.Tensor:
     return torch.logsumexp(log_w, -1)
 
 
+def leaf_weights(H, H0, log_slice, multinomial: bool, max_energy_error: float):
+    """``(delta, log_w, divergent)`` of leaves with Hamiltonians ``H``: the energy change
+    ``H0 - H`` (NaN counts as -inf), the leaf's log weight in the draw (``delta``, or with
+    slice sampling 0 inside the slice and -inf outside), and whether it diverged (its
+    sliced energy error, Pyro's, above ``max_energy_error``). Elementwise; ``H0`` and
+    ``log_slice`` broadcast against ``H``."""
+    delta = H0 - H
+    delta = torch.where(torch.isnan(delta), torch.full_like(delta, -float("inf")), delta)
+    excess = log_slice - delta
+    divergent = excess > max_energy_error
+    if multinomial:
+        return delta, delta, divergent
+    return delta, torch.where(excess <= 0, torch.zeros_like(delta), torch.full_like(delta, -float("inf"))), divergent
+
+
+def _one_leaf_subtree(value_and_grad, start, H0, log_slice, step_size, inverse_mass, multinomial, max_energy_error):
+    """:func:`build_subtree` of one leaf (every transition's first doubling), without the
+    leaf axis and the draw among leaves: the leaf is the proposal, and it is counted
+    whether or not it diverged. The same values in ~30 fewer operations."""
+    leaf = leapfrog(value_and_grad, start, step_size, inverse_mass, 1)
+    H = leaf.potential_energy + kinetic_energy(leaf.r, inverse_mass)
+    delta, log_w, divergent = leaf_weights(H, H0, log_slice, multinomial, max_energy_error)
+    return Subtree(
+        last=leaf,
+        p_first=leaf.r,
+        p_last=leaf.r,
+        rho=leaf.r,
+        log_weight=log_w,
+        proposal=HMCState(leaf.z, leaf.potential_energy, leaf.grad),
+        proposal_energy=H,
+        n_steps=torch.ones_like(divergent, dtype=torch.int64),
+        sum_accept=torch.exp(delta.clamp(max=0.0)),
+        diverging=divergent,
+        valid=~divergent,
+    )
+
+
 def build_subtree(
     value_and_grad: Callable,
     start: IntegratorState,
@@ -220,17 +257,16 @@ def build_subtree(
     """The subtree of ``num_leaves`` (a power of two) leapfrog steps of signed ``step_size``
     from ``start``, with all its U-turn checks, and a multinomial draw among its leaves
     (from the uniform ``u``). Shapes: batch ``(...)`` for ``H0, log_slice, step_size, u``."""
+    if num_leaves == 1:
+        return _one_leaf_subtree(value_and_grad, start, H0, log_slice, step_size, inverse_mass, multinomial,
+                                 max_energy_error)
     leaves = leapfrog_trajectory(value_and_grad, start, step_size, inverse_mass, num_leaves)
     batch, L = start.z.shape[:-1], num_leaves
     inv = inverse_mass.unsqueeze(-3 if is_dense(inverse_mass, start.r) else -2)
     r = leaves.r
     v = velocity(r, inv)
     H = leaves.potential_energy + kinetic_energy(r, inv)
-    delta = H0.unsqueeze(-1) - H  # log weight, multinomial
-    delta = torch.where(torch.isnan(delta), torch.full_like(delta, -float("inf")), delta)
-    excess = log_slice.unsqueeze(-1) - delta  # Pyro's "sliced energy"
-    divergent = excess > max_energy_error
-    log_w = delta if multinomial else torch.where(excess <= 0, torch.zeros_like(delta), torch.full_like(delta, -float("inf")))
+    delta, log_w, divergent = leaf_weights(H, H0.unsqueeze(-1), log_slice.unsqueeze(-1), multinomial, max_energy_error)
     # U-turn checks of every complete sub-subtree (s = 2, 4, ..., L leaves), all at once:
     # block i covers leaves first[i]..last[i], its halves split at mid[i]; a failure is
     # charged to the block's last leaf (where Stan's recursion would check it)
