@@ -193,13 +193,11 @@ def _subtree_blocks(num_leaves: int, device, dtype):
 
 
 def _log_sum_exp(log_w: torch.Tensor, num_leaves: int) -> torch.Tensor:
-    """``logsumexp`` over the last dimension, of size ``num_leaves`` (a subtree's leaves), in
-    one op for one or two leaves: torch's ``logsumexp`` is a composite of ~7 ops (~10 µs in a
-    traced program, against ~3 for these), and most subtrees of a NUTS transition are that
-    small. (``num_leaves`` is passed, not read from the shape, which a recording would
+    """``logsumexp`` over the last dimension, of size ``num_leaves`` (a subtree's leaves, two
+    or more), in one op for two leaves: torch's ``logsumexp`` is a composite of ~7 ops (~10
+    µs in a traced program, against ~3 for this), and every transition's second doubling
+    has two. (``num_leaves`` is passed, not read from the shape, which a recording would
     follow as a tensor.)"""
-    if num_leaves == 1:
-        return log_w[..., 0]
     if num_leaves == 2:
         return torch.logaddexp(log_w[..., 0], log_w[..., 1])
     return torch.logsumexp(log_w, -1)
@@ -271,21 +269,18 @@ def build_subtree(
     # block i covers leaves first[i]..last[i], its halves split at mid[i]; a failure is
     # charged to the block's last leaf (where Stan's recursion would check it)
     first, mid, last, ends_at = _subtree_blocks(L, r.device, r.dtype)
-    if L > 1:  # blocks of two or more leaves exist
-        cumulative = torch.nn.functional.pad(r.cumsum(-2), (0, 0, 1, 0))  # (..., L + 1, D)
+    cumulative = torch.nn.functional.pad(r.cumsum(-2), (0, 0, 1, 0))  # (..., L + 1, D)
 
-        def at(x, i):
-            return x.index_select(-2, i)
-        rho_first_half = at(cumulative, mid) - at(cumulative, first)
-        rho_second_half = at(cumulative, last + 1) - at(cumulative, mid)
-        ok = _joins_without_u_turn(
-            at(v, first), at(v, mid - 1), at(r, mid - 1), rho_first_half,
-            at(v, mid), at(v, last), at(r, mid), rho_second_half,
-        )  # (..., num_blocks)
-        turned_at = (~ok).to(r.dtype) @ ends_at  # (..., L): turned blocks ending at each leaf
-        fail = divergent | (turned_at > 0)
-    else:
-        fail = divergent
+    def at(x, i):
+        return x.index_select(-2, i)
+    rho_first_half = at(cumulative, mid) - at(cumulative, first)
+    rho_second_half = at(cumulative, last + 1) - at(cumulative, mid)
+    ok = _joins_without_u_turn(
+        at(v, first), at(v, mid - 1), at(r, mid - 1), rho_first_half,
+        at(v, mid), at(v, last), at(r, mid), rho_second_half,
+    )  # (..., num_blocks)
+    turned_at = (~ok).to(r.dtype) @ ends_at  # (..., L): turned blocks ending at each leaf
+    fail = divergent | (turned_at > 0)
     failures_before = fail.cumsum(-1) - fail.to(torch.int64)
     counted = failures_before == 0  # Stan stops at the first failure, that step included
     accept = torch.exp(delta.clamp(max=0.0))

@@ -376,12 +376,11 @@ def test_invalid_arguments():
         NUTS()
 
 
-def test_the_weights_of_one_or_two_leaves_sum_as_logsumexp_does():
-    """The one-op log-sum-exp of small subtrees agrees with torch's, outside-the-slice
+def test_the_weights_of_two_leaves_sum_as_logsumexp_does():
+    """The one-op log-sum-exp of two-leaf subtrees agrees with torch's, outside-the-slice
     (``-inf``) weights included."""
     from pyro_hmc_plus.nuts import _log_sum_exp
 
     inf = float("inf")
     log_w = torch.tensor([[0.3, -1.2], [-inf, 2.0], [-inf, -inf], [50.0, 49.0]])
-    for L in (1, 2):
-        assert torch.allclose(_log_sum_exp(log_w[:, :L], L), torch.logsumexp(log_w[:, :L], -1), atol=1e-6)
+    assert torch.allclose(_log_sum_exp(log_w, 2), torch.logsumexp(log_w, -1), atol=1e-6)
