@@ -221,7 +221,7 @@ def leaf_weights(H, H0, log_slice, multinomial: bool, max_energy_error: float):
 def _one_leaf_subtree(value_and_grad, start, H0, log_slice, step_size, inverse_mass, multinomial, max_energy_error):
     """:func:`build_subtree` of one leaf (every transition's first doubling), without the
     leaf axis and the draw among leaves: the leaf is the proposal, and it is counted
-    whether or not it diverged. The same values in ~30 fewer operations."""
+    whether or not it diverged. The same values in ~50 fewer operations (eight schools: 183 -> 133)."""
     leaf = leapfrog(value_and_grad, start, step_size, inverse_mass, 1)
     H = leaf.potential_energy + kinetic_energy(leaf.r, inverse_mass)
     delta, log_w, divergent = leaf_weights(H, H0, log_slice, multinomial, max_energy_error)
