@@ -880,13 +880,14 @@ class NUTS(HMC):
             if leaves[-1].item():  # Tree.done
                 break
         tree = first.records(leaves)
-        info = nuts.info(tree)
-        lp, energy, accept_prob, diverging, accepted, tree_depth, n_steps = _host_values(
-            -info.potential_energy, info.energy, info.acceptance_prob, info.diverging, info.accepted,
-            info.tree_depth, info.n_steps,
+        # read the tree's fields as they are: no eager op on the device for the statistics
+        U, energy, sum_accept, n_steps, diverging, accepted, tree_depth = _host_values(
+            tree.proposal.potential_energy, tree.proposal_energy, tree.sum_accept, tree.n_steps,
+            tree.diverging, tree.accepted, tree.depth,
         )
         stats = dict(
-            lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging),
+            lp=-U, energy=energy, acceptance_rate=nuts.acceptance_statistic(sum_accept, n_steps),
+            diverging=bool(diverging),
             n_steps=int(n_steps), tree_depth=int(tree_depth),
             reached_max_treedepth=int(tree_depth) >= self.max_tree_depth,
         )

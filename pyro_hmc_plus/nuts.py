@@ -416,12 +416,19 @@ def doubling(
     return extend_tree(tree, subtree, forward, rands[..., 2], inverse_mass, max_tree_depth, keep_done)
 
 
+def acceptance_statistic(sum_accept, n_steps):
+    """Stan's acceptance statistic of a transition: the mean of ``min(1, exp(H0 - H))`` over
+    its ``n_steps`` counted leapfrog steps (0 if none). Tensors, or the Python numbers a
+    kernel read from them (cheaper than computing it on the device first)."""
+    return sum_accept / (n_steps.clamp(min=1) if torch.is_tensor(n_steps) else max(n_steps, 1))
+
+
 def info(tree: Tree) -> NUTSInfo:
     """The statistics of a finished transition."""
     return NUTSInfo(
         potential_energy=tree.proposal.potential_energy,
         energy=tree.proposal_energy,
-        acceptance_prob=tree.sum_accept / tree.n_steps.clamp(min=1),
+        acceptance_prob=acceptance_statistic(tree.sum_accept, tree.n_steps),
         diverging=tree.diverging,
         accepted=tree.accepted,
         tree_depth=tree.depth,
