@@ -34,6 +34,13 @@ def _flatten(x, leaves: list):
     return None
 
 
+def _leaves(x) -> list:
+    """The tensors of ``x`` in :func:`_flatten`'s order."""
+    leaves = []
+    _flatten(x, leaves)
+    return leaves
+
+
 def _unflatten(structure, leaves):
     """Rebuild what :func:`_flatten` took apart, from an iterator over its leaves."""
     if structure is None:
@@ -857,15 +864,11 @@ class NUTS(HMC):
         for depth, rands in enumerate(uniforms.unbind(0)):
             try:
                 if depth == 0:
-                    inputs = []
-                    _flatten((self._state, noise, log_slice, rands, step_size, self._metric), inputs)
-                    leaves = first.flat(*inputs)
+                    leaves = first.flat(*_leaves((self._state, noise, log_slice, rands, step_size, self._metric)))
                 elif depth < self._chunk_depth:
                     leaves = self._doubling_program(depth).flat(*leaves, rands, step_size, inverse_mass)
                 else:
-                    tree = self._chunked_doubling(first.records(leaves), depth, rands, step_size, inverse_mass)
-                    leaves = []
-                    _flatten(tree, leaves)
+                    leaves = _leaves(self._chunked_doubling(first.records(leaves), depth, rands, step_size, inverse_mass))
             except (RuntimeError, ValueError) as e:
                 if not is_numerical_failure(e):
                     raise
@@ -875,8 +878,7 @@ class NUTS(HMC):
                 else:
                     tree = first.records(leaves)
                 one = torch.ones_like(tree.n_steps)
-                leaves = []
-                _flatten(tree._replace(n_steps=tree.n_steps + one, diverging=one.bool(), done=one.bool()), leaves)
+                leaves = _leaves(tree._replace(n_steps=tree.n_steps + one, diverging=one.bool(), done=one.bool()))
             if leaves[-1].item():  # Tree.done
                 break
         tree = first.records(leaves)
