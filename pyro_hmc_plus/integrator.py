@@ -56,12 +56,28 @@ def leapfrog_trajectory(
     """Every state of ``num_steps`` leapfrog steps (not the start), stacked on a new axis:
     ``z, r, grad`` of shape ``(..., num_steps, D)`` and the energies ``(..., num_steps)``.
     NUTS builds its trees from these leaves."""
-    leaves = list(_steps(value_and_grad, state, step_size, inverse_mass, num_steps))
+    return stack_states(leapfrog_states(value_and_grad, state, step_size, inverse_mass, num_steps))
+
+
+def leapfrog_states(
+    value_and_grad: Callable,
+    state: IntegratorState,
+    step_size: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    num_steps: int,
+) -> list:
+    """Every state of ``num_steps`` leapfrog steps (not the start), as a list: for a caller
+    that joins several pieces of trajectory and stacks them once (:func:`stack_states`)."""
+    return list(_steps(value_and_grad, state, step_size, inverse_mass, num_steps))
+
+
+def stack_states(states: list) -> IntegratorState:
+    """States stacked on a new axis: ``z, r, grad`` ``(..., len(states), D)``, energies ``(..., len(states))``."""
     return IntegratorState(
-        torch.stack([s.z for s in leaves], -2),
-        torch.stack([s.r for s in leaves], -2),
-        torch.stack([s.potential_energy for s in leaves], -1),
-        torch.stack([s.grad for s in leaves], -2),
+        torch.stack([s.z for s in states], -2),
+        torch.stack([s.r for s in states], -2),
+        torch.stack([s.potential_energy for s in states], -1),
+        torch.stack([s.grad for s in states], -2),
     )
 
 

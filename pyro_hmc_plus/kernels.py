@@ -22,6 +22,7 @@ from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
 
 _VALIDATION_POINTS = 2  # random points (besides the initial one) each program is checked at
+_FUSED_DOUBLINGS = 3  # most doublings of a NUTS transition's start fused into one program
 
 
 def _flatten(x, leaves: list):
@@ -697,6 +698,9 @@ class NUTS(HMC):
         self.use_multinomial_sampling = bool(use_multinomial_sampling)
         self.max_tree_depth = int(max_tree_depth)
         self._chunk_depth = self.max_unroll.bit_length() - 1  # chunks of 2**_chunk_depth leaves
+        # a transition's first doublings run as one program (nuts.first_doublings): at most
+        # three (7 leapfrog steps, wasted where the tree stops earlier), within max_unroll
+        self._fused_doublings = min(_FUSED_DOUBLINGS, self.max_tree_depth, (self.max_unroll + 1).bit_length() - 1)
 
     # ------------------------------------------------------------------ programs
     def _program_settings(self) -> tuple:
@@ -704,6 +708,8 @@ class NUTS(HMC):
 
     def _build_programs(self):
         self._first_doubling_program()
+        if self._fused_doublings > 1:
+            self._first_doublings_program()
         for depth in range(1, min(self._chunk_depth, self.max_tree_depth)):
             self._doubling_program(depth)
         if self.max_tree_depth > self._chunk_depth:  # the chunk, and the merge/extend programs
@@ -735,6 +741,27 @@ class NUTS(HMC):
         return self._program(
             ("nuts_first",), first, lambda: [args[:6] for args in self._tree_validation_inputs()]
         )
+
+    def _first_doublings_program(self):
+        """A transition's start and its first ``_fused_doublings`` doublings in one call."""
+        num = self._fused_doublings
+
+        def first_doublings(value_and_grad, state, noise, log_slice, uniforms, step_size, metric):
+            return nuts.first_doublings(
+                value_and_grad, state, noise, log_slice, uniforms, step_size, metric, num,
+                self.max_tree_depth, self.use_multinomial_sampling,
+            )
+
+        def validation():
+            out = []
+            for state, r, log_slice, rands, eps, metric, _ in self._tree_validation_inputs():
+                # both directions: forward (< 0.5) and backward doublings
+                uniforms = torch.tensor([[0.7, 0.3, 0.4], [0.2, 0.6, 0.5], [0.4, 0.8, 0.1]][:num], dtype=rands.dtype,
+                                        device=rands.device)
+                out.append((state, r, log_slice, uniforms, eps, metric))
+            return out
+
+        return self._program(("nuts_first_doublings", num), first_doublings, validation)
 
     def _doubling_program(self, depth: int):
         """The doubling of a tree of ``2**depth`` states, fewer than ``max_unroll``: one
@@ -857,18 +884,34 @@ class NUTS(HMC):
         # Between doublings the tree stays the programs' flat list of tensors (`_flatten`'s
         # order, `Tree.done` last): taking the records apart and rebuilding them around
         # every call costs ~7 µs a doubling.
-        first = self._first_doubling_program()
         leaves = None
         # uniforms of every possible doubling: direction, draw inside the subtree, draw of the tree
         uniforms = torch.rand(self.max_tree_depth, 3, dtype=flat.dtype, device=flat.device)
-        for depth, rands in enumerate(uniforms.unbind(0)):
+        fused = self._fused_doublings
+        start = self._first_doublings_program() if fused > 1 else self._first_doubling_program()
+        if fused > 1:
+            try:
+                leaves = start.flat(
+                    *_leaves((self._state, noise, log_slice, uniforms[:fused], step_size, self._metric))
+                )
+            except (RuntimeError, ValueError) as e:
+                if not is_numerical_failure(e):
+                    raise
+                # the model failed numerically in one of these doublings: the same transition
+                # (the same uniforms) doubling by doubling below finds which, a divergence
+        for depth in range(fused if leaves is not None else 0, self.max_tree_depth):
+            if leaves is not None and leaves[-1].item():  # Tree.done
+                break
+            rands = uniforms[depth]
             try:
                 if depth == 0:
-                    leaves = first.flat(*_leaves((self._state, noise, log_slice, rands, step_size, self._metric)))
+                    leaves = self._first_doubling_program().flat(
+                        *_leaves((self._state, noise, log_slice, rands, step_size, self._metric))
+                    )
                 elif depth < self._chunk_depth:
                     leaves = self._doubling_program(depth).flat(*leaves, rands, step_size, inverse_mass)
                 else:
-                    leaves = _leaves(self._chunked_doubling(first.records(leaves), depth, rands, step_size, inverse_mass))
+                    leaves = _leaves(self._chunked_doubling(start.records(leaves), depth, rands, step_size, inverse_mass))
             except (RuntimeError, ValueError) as e:
                 if not is_numerical_failure(e):
                     raise
@@ -876,12 +919,10 @@ class NUTS(HMC):
                 if leaves is None:
                     tree = nuts.init_tree(self._state, noise, log_slice, self._metric)
                 else:
-                    tree = first.records(leaves)
+                    tree = start.records(leaves)
                 one = torch.ones_like(tree.n_steps)
                 leaves = _leaves(tree._replace(n_steps=tree.n_steps + one, diverging=one.bool(), done=one.bool()))
-            if leaves[-1].item():  # Tree.done
-                break
-        tree = first.records(leaves)
+        tree = start.records(leaves)
         # read the tree's fields as they are: no eager op on the device for the statistics
         U, energy, sum_accept, n_steps, diverging, accepted, tree_depth = _host_values(
             tree.proposal.potential_energy, tree.proposal_energy, tree.sum_accept, tree.n_steps,

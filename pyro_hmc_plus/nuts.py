@@ -46,7 +46,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .hmc import MAX_ENERGY_ERROR, HMCState
-from .integrator import IntegratorState, leapfrog, leapfrog_trajectory
+from .integrator import IntegratorState, leapfrog, leapfrog_states, leapfrog_trajectory, stack_states
 from .metric import Metric, is_dense, kinetic_energy, momentum, velocity
 
 
@@ -174,22 +174,51 @@ def signed_step_size(step_size: torch.Tensor, forward: torch.Tensor) -> torch.Te
     return torch.where(forward, step_size, -step_size)
 
 
-def _subtree_blocks(num_leaves: int, device, dtype):
-    """Leaf indices ``(first, mid, last)`` of every block of 2, 4, ..., ``num_leaves``
-    aligned leaves, where ``mid`` is the first leaf of the block's second half, and the
-    ``(num_blocks, num_leaves)`` 0/1 matrix mapping each block to its last leaf."""
+def _subtree_blocks(sizes, device, dtype):
+    """U-turn blocks of consecutive subtrees of ``sizes`` leaves (powers of two) in one leaf
+    axis: leaf indices ``(first, mid, last)`` of every block of 2, 4, ... leaves aligned
+    inside each subtree, where ``mid`` is the first leaf of the block's second half, and the
+    ``(num_blocks, sum(sizes))`` 0/1 matrix mapping each block to its last leaf."""
     first, mid, last = [], [], []
-    size = 2
-    while size <= num_leaves:
-        for start in range(0, num_leaves, size):
-            first.append(start)
-            mid.append(start + size // 2)
-            last.append(start + size - 1)
-        size *= 2
-    ends_at = [[float(leaf == end) for leaf in range(num_leaves)] for end in last]
+    offset = 0
+    for num_leaves in sizes:
+        size = 2
+        while size <= num_leaves:
+            for start in range(offset, offset + num_leaves, size):
+                first.append(start)
+                mid.append(start + size // 2)
+                last.append(start + size - 1)
+            size *= 2
+        offset += num_leaves
+    ends_at = [[float(leaf == end) for leaf in range(offset)] for end in last]
     return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (first, mid, last)) + (
-        torch.tensor(ends_at, dtype=dtype, device=device).reshape(len(last), num_leaves),
+        torch.tensor(ends_at, dtype=dtype, device=device).reshape(len(last), offset),
     )
+
+
+def _cumulative_momenta(r):
+    """``(..., L + 1, D)``: the sums of the first 0, 1, ..., L momenta of ``r (..., L, D)``
+    (a sum over leaves ``a..b`` is a difference of two rows, and stays finite where a later
+    leaf's momentum is not)."""
+    return torch.cat([torch.zeros_like(r[..., :1, :]), r.cumsum(-2)], -2)  # (pad costs ~3x more in a program)
+
+
+def _turned_at(r, v, cumulative, blocks):
+    """``(..., L)``: how many of ``blocks`` (:func:`_subtree_blocks`) that end at each leaf
+    turn, from the leaves' momenta ``r`` and velocities ``v`` ``(..., L, D)`` (and
+    ``cumulative = _cumulative_momenta(r)``), all blocks at once. A failure is charged to
+    the block's last leaf, where Stan's recursion checks it."""
+    first, mid, last, ends_at = blocks
+
+    def at(x, i):
+        return x.index_select(-2, i)
+    rho_first_half = at(cumulative, mid) - at(cumulative, first)
+    rho_second_half = at(cumulative, last + 1) - at(cumulative, mid)
+    ok = _joins_without_u_turn(
+        at(v, first), at(v, mid - 1), at(r, mid - 1), rho_first_half,
+        at(v, mid), at(v, last), at(r, mid), rho_second_half,
+    )  # (..., num_blocks)
+    return (~ok).to(r.dtype) @ ends_at
 
 
 def _log_sum_exp(log_w: torch.Tensor, num_leaves: int) -> torch.Tensor:
@@ -265,22 +294,8 @@ def build_subtree(
     v = velocity(r, inv)
     H = leaves.potential_energy + kinetic_energy(r, inv)
     delta, log_w, divergent = leaf_weights(H, H0.unsqueeze(-1), log_slice.unsqueeze(-1), multinomial, max_energy_error)
-    # U-turn checks of every complete sub-subtree (s = 2, 4, ..., L leaves), all at once:
-    # block i covers leaves first[i]..last[i], its halves split at mid[i]; a failure is
-    # charged to the block's last leaf (where Stan's recursion would check it)
-    first, mid, last, ends_at = _subtree_blocks(L, r.device, r.dtype)
-    cumulative = torch.nn.functional.pad(r.cumsum(-2), (0, 0, 1, 0))  # (..., L + 1, D)
-
-    def at(x, i):
-        return x.index_select(-2, i)
-    rho_first_half = at(cumulative, mid) - at(cumulative, first)
-    rho_second_half = at(cumulative, last + 1) - at(cumulative, mid)
-    ok = _joins_without_u_turn(
-        at(v, first), at(v, mid - 1), at(r, mid - 1), rho_first_half,
-        at(v, mid), at(v, last), at(r, mid), rho_second_half,
-    )  # (..., num_blocks)
-    turned_at = (~ok).to(r.dtype) @ ends_at  # (..., L): turned blocks ending at each leaf
-    fail = divergent | (turned_at > 0)
+    # U-turn checks of every complete sub-subtree (2, 4, ..., L leaves), all at once
+    fail = divergent | (_turned_at(r, v, _cumulative_momenta(r), _subtree_blocks([L], r.device, r.dtype)) > 0)
     failures_before = fail.cumsum(-1) - fail.to(torch.int64)
     counted = failures_before == 0  # Stan stops at the first failure, that step included
     accept = torch.exp(delta.clamp(max=0.0))
@@ -414,6 +429,180 @@ def doubling(
         multinomial, max_energy_error,
     )
     return extend_tree(tree, subtree, forward, rands[..., 2], inverse_mass, max_tree_depth, keep_done)
+
+
+class _FirstDoublings(NamedTuple):
+    """Constants of :func:`first_doublings` for ``K`` doublings (``n = 2**K - 1`` leaves; leaf
+    ``i`` is the ``i``-th built, doubling ``j``'s are the segment ``2**j - 1 .. 2**(j+1) - 2``;
+    the *pool* of states is the start, index 0, then leaf ``i`` at ``1 + i``)."""
+
+    pow2: torch.Tensor  # (K,) 2**j: a pattern of directions is sum_j forward_j 2**j
+    joins: torch.Tensor  # (2**K, 4K) pool indices per pattern: for each doubling the tree end it grows
+    #                      from, the other end, its subtree's first leaf and last leaf
+    ends: torch.Tensor  # (2**K * K, 2) pool indices of the tree's (backward, forward) ends after doubling j, row pattern * K + j
+    first_of_leaf: torch.Tensor  # (n,) the first leaf of each leaf's segment
+    in_segment: torch.Tensor  # (K, n) bool
+    segment_matrix: torch.Tensor  # (K, n) the same, 0/1 in the floating dtype
+    segment_log_mask: torch.Tensor  # (K, n) 0 inside the segment, -inf outside
+    last_in_segment: torch.Tensor  # (K,) 2**j - 1: largest index inside segment j
+    segment_ends: torch.Tensor  # (2, K) rows of _cumulative_momenta bounding each segment
+    first_pool_index: torch.Tensor  # (K,) pool index of segment j's first leaf
+    doubling_number: torch.Tensor  # (K,) j + 1
+    is_last: torch.Tensor  # (K,) bool: j == K - 1
+    blocks: tuple  # the U-turn blocks inside every segment (:func:`_subtree_blocks`)
+
+
+def _first_doublings_constants(K: int, device, dtype) -> _FirstDoublings:
+    n = (1 << K) - 1
+    sizes = [1 << j for j in range(K)]
+    joins, ends = [], []
+    for pattern in range(1 << K):
+        backward_end = forward_end = 0
+        near, far, pattern_ends = [], [], []
+        for j in range(K):
+            forward = (pattern >> j) & 1
+            near.append(forward_end if forward else backward_end)
+            far.append(backward_end if forward else forward_end)
+            if forward:
+                forward_end = 2 * sizes[j] - 1  # pool index of the doubling's last leaf
+            else:
+                backward_end = 2 * sizes[j] - 1
+            pattern_ends.append([backward_end, forward_end])
+        joins.append(near + far + sizes + [2 * size - 1 for size in sizes])
+        ends.append(pattern_ends)
+    in_segment = [[size - 1 <= i <= 2 * size - 2 for i in range(n)] for size in sizes]
+
+    def t(x, dtype=torch.int64):
+        return torch.tensor(x, dtype=dtype, device=device)
+    return _FirstDoublings(
+        pow2=t(sizes), joins=t(joins), ends=t(ends).reshape(-1, 2),
+        first_of_leaf=t([size - 1 for size in sizes for _ in range(size)]),
+        in_segment=t(in_segment, torch.bool), segment_matrix=t(in_segment, dtype),
+        segment_log_mask=t([[0.0 if x else -float("inf") for x in row] for row in in_segment], dtype),
+        last_in_segment=t([size - 1 for size in sizes]), first_pool_index=t(sizes),
+        segment_ends=t([[size - 1 for size in sizes], [2 * size - 1 for size in sizes]]),
+        doubling_number=t(list(range(1, K + 1))), is_last=t([j == K - 1 for j in range(K)], torch.bool),
+        blocks=_subtree_blocks(sizes, device, dtype),
+    )
+
+
+def first_doublings(
+    value_and_grad: Callable,
+    state: HMCState,
+    noise: torch.Tensor,
+    log_slice: torch.Tensor,
+    uniforms: torch.Tensor,
+    step_size: torch.Tensor,
+    metric: Metric,
+    num_doublings: int,
+    max_tree_depth: int,
+    multinomial: bool = True,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+) -> Tree:
+    """A transition's first ``K = num_doublings`` doublings (``2**K - 1`` leapfrog steps) in
+    one go, with the uniforms ``uniforms (..., K, 3)`` of :func:`doubling`: the same tree as
+    :func:`init_tree` followed by ``K`` calls of :func:`doubling` (with ``keep_done``: those
+    after the tree is done change nothing), up to floating-point rounding.
+
+    Why: in a traced program the bookkeeping of a doubling (U-turn checks, merge, draw,
+    ~200 operations) costs more than a cheap model's gradients, and it is the same for every
+    doubling. Here the ``2**K - 1`` leapfrog steps run first, in build order (each doubling
+    from the end its direction says), and then every doubling's bookkeeping runs at once,
+    vectorised over the doublings: the U-turn checks inside each new subtree and across each
+    join, the draw inside each subtree, the biased progressive sampling and the stopping rule
+    (the first doubling whose subtree turns or diverges, or whose join turns, is the last).
+    The price: the steps after the tree is done are wasted, so this pays where trees usually
+    reach depth ``K``. Shapes: batch ``(...)`` for ``log_slice``, ``step_size``."""
+    K = num_doublings
+    z0, U0, g0 = state
+    c = _first_doublings_constants(K, z0.device, z0.dtype)
+    inverse_mass = metric.inverse_mass
+    r0 = momentum(noise, metric.momentum_scale)
+    H0 = U0 + kinetic_energy(r0, inverse_mass)
+    forward = is_forward(uniforms)  # (..., K)
+    # the leapfrog steps in build order: doubling j grows from the last leaf of the latest
+    # doubling in its direction (or from the start), with the step's sign of its direction
+    start = IntegratorState(z0, r0, U0, g0)
+    states, lasts = [], []
+    for j in range(K):
+        begin = start
+        for i, last in enumerate(lasts):
+            begin = select(forward[..., j] == forward[..., i], last, begin)
+        signed = signed_step_size(step_size, forward[..., j])
+        states += leapfrog_states(value_and_grad, begin, signed, inverse_mass, 1 << j)
+        lasts.append(states[-1])
+    leaves = stack_states(states)  # (..., n, D), energies (..., n)
+    inv = inverse_mass.unsqueeze(-3 if is_dense(inverse_mass, z0) else -2)
+    r, v = leaves.r, velocity(leaves.r, inv)
+    H = leaves.potential_energy + 0.5 * (r * v).sum(-1)
+    delta, log_w, divergent = leaf_weights(H, H0.unsqueeze(-1), log_slice.unsqueeze(-1), multinomial, max_energy_error)
+    # the pool of states, rows z | r | v | grad | (U, H): the start, then the leaves
+    D = z0.shape[-1]
+    pool = torch.cat([
+        torch.cat([z0, r0, velocity(r0, inverse_mass), g0, U0.unsqueeze(-1), H0.unsqueeze(-1)], -1).unsqueeze(-2),
+        torch.cat([leaves.z, r, v, leaves.grad, leaves.potential_energy.unsqueeze(-1), H.unsqueeze(-1)], -1),
+    ], -2)  # (..., n + 1, 4D + 2)
+    # each doubling's subtree: its U-turn checks, what Stan counts (up to its first failure)
+    cumulative = _cumulative_momenta(r)
+    fail = divergent | (_turned_at(r, v, cumulative, c.blocks) > 0)
+    fail_i = fail.to(torch.int64)
+    fails_before = fail_i.cumsum(-1) - fail_i
+    counted = (fails_before == fails_before.index_select(-1, c.first_of_leaf)).to(H.dtype)
+    per_leaf = torch.stack([counted, torch.exp(delta.clamp(max=0.0)) * counted, divergent.to(H.dtype) * counted,
+                            fail.to(H.dtype)], -2)
+    seg_steps, seg_accept, seg_diverging, seg_fails = (per_leaf @ c.segment_matrix.mT).unbind(-2)  # (..., K)
+    valid = seg_fails == 0
+    # ... its log weight and its multinomial draw (uniform uniforms[..., j, 1])
+    masked = log_w.unsqueeze(-2) + c.segment_log_mask  # (..., K, n)
+    peak = masked.amax(-1, keepdim=True)
+    peak = peak.clamp(min=torch.finfo(peak.dtype).min)  # a segment of zero weights: -inf, not nan
+    weights = torch.exp(masked - peak)
+    total = weights.sum(-1, keepdim=True)
+    seg_log_weight = (total.log() + peak).squeeze(-1)  # (..., K)
+    below = ((weights / total).cumsum(-1) < uniforms[..., 1].unsqueeze(-1)) & c.in_segment
+    drawn = torch.minimum(below.sum(-1), c.last_in_segment) + c.first_pool_index  # pool index (..., K)
+    # the tree's log weight after 0, 1, ..., K doublings (the start weighs 1), and the biased
+    # progressive sampling of each doubling (uniform uniforms[..., j, 2])
+    tree_log_weights = [torch.zeros_like(U0)]
+    for lw in seg_log_weight.unbind(-1):
+        tree_log_weights.append(torch.logaddexp(tree_log_weights[-1], lw))
+    tree_log_weight = torch.stack(tree_log_weights, -1)  # (..., K + 1)
+    take = valid & (uniforms[..., 2] < torch.exp(seg_log_weight - tree_log_weight[..., :K]))
+    # the U-turn checks across each join: the tree before doubling j, its new subtree
+    pattern = (forward.to(torch.int64) * c.pow2).sum(-1)
+    joins = c.joins[pattern.unsqueeze(-1)].squeeze(-2)  # (..., 4K) (a 0-d index would be read on the host)
+    rv = pool[..., D:3 * D].gather(-2, joins.unsqueeze(-1).expand(joins.shape + (2 * D,)))
+    (p_near, p_far, p_first, p_last), (v_near, v_far, v_first, v_last) = rv[..., :D].split(K, -2), rv[..., D:].split(K, -2)
+    seg_rho = cumulative.index_select(-2, c.segment_ends[1]) - cumulative.index_select(-2, c.segment_ends[0])
+    rho_before = r0.unsqueeze(-2) + seg_rho.cumsum(-2) - seg_rho
+    ok = _joins_without_u_turn(v_far, v_near, p_near, rho_before, v_first, v_last, p_first, seg_rho)
+    # the stopping rule: doublings after the first that ends the tree are not made
+    depth_after = c.doubling_number - (~valid).to(torch.int64)
+    done = ~valid | ~ok | (depth_after >= max_tree_depth)
+    done_i = done.to(torch.int64)
+    made = (done_i.cumsum(-1) - done_i) == 0  # (..., K)
+    made_f, taken = made.to(H.dtype), made & take
+    depth = (made & valid).sum(-1)
+    chosen = torch.where(taken, drawn, torch.zeros_like(drawn)).amax(-1)  # the latest subtree taken, or the start
+    ends = c.ends[(pattern * K + made.sum(-1) - 1).unsqueeze(-1)].squeeze(-2)  # (..., 2)
+    rows = torch.cat([chosen.unsqueeze(-1), ends], -1)  # the draw, the backward end, the forward end
+    picked = pool.gather(-2, rows.unsqueeze(-1).expand(rows.shape + (4 * D + 2,)))
+    z, r_picked, _, grad, U, H_picked = picked.split([D, D, D, D, 1, 1], -1)
+    return Tree(
+        ends=IntegratorState(z[..., 1:, :], r_picked[..., 1:, :], U[..., 1:, 0], grad[..., 1:, :]),
+        rho=r0 + torch.where(made.unsqueeze(-1), seg_rho, torch.zeros_like(seg_rho)).sum(-2),
+        log_weight=tree_log_weight.gather(-1, depth.unsqueeze(-1)).squeeze(-1),
+        proposal=HMCState(z[..., 0, :], U[..., 0, 0], grad[..., 0, :]),
+        proposal_energy=H_picked[..., 0, 0],
+        H0=H0,
+        log_slice=log_slice,
+        depth=depth,
+        n_steps=(seg_steps * made_f).sum(-1).round().to(torch.int64),
+        sum_accept=(seg_accept * made_f).sum(-1),
+        diverging=((seg_diverging > 0) & made & (done | c.is_last)).any(-1),
+        accepted=taken.any(-1),
+        done=done.any(-1),
+    )
 
 
 def acceptance_statistic(sum_accept, n_steps):

@@ -103,9 +103,9 @@ def test_aot_cache_compiles_once_and_later_processes_load(tmp_path):
     name, cached, aot_total, _ = run("aot")
     assert name == "aot" and cached == 0
     packages = list(tmp_path.rglob("*.pt2"))
-    assert len(packages) == 2  # the first doubling and the 2-state doubling
+    assert len(packages) == 3  # the first doubling, the 2-state doubling, the first two doublings at once
     name, cached, warm_total, imported_inductor = run("auto")
-    assert cached == 2 and not imported_inductor
+    assert cached == 1 and not imported_inductor  # the run needs only the two doublings at once
     _, _, trace_total, _ = run("trace")
     assert abs(warm_total - trace_total) < 1e-4 and abs(aot_total - trace_total) < 1e-4
 

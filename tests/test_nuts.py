@@ -196,6 +196,54 @@ def test_batch_of_chains_equals_one_chain_at_a_time():
     assert len(set(batch_info.tree_depth.tolist())) > 1  # the chains really did stop at different depths
 
 
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("multinomial", [True, False])
+def test_first_doublings_at_once_equal_doubling_by_doubling(dense, multinomial):
+    """``nuts.first_doublings`` (a transition's first K doublings, their bookkeeping
+    vectorised) gives the tree that ``init_tree`` and K ``doubling`` calls give from the
+    same uniforms: every field, on one chain and a batch, through U-turns, divergences
+    (a quartic potential blows up at large steps) and the depth limit."""
+    D = 3
+    gen = torch.Generator().manual_seed(1 + 2 * dense + multinomial)
+    a = torch.randn(D, D, generator=gen)
+    prec = a @ a.T + 0.5 * torch.eye(D)
+
+    def value_and_grad(z):
+        return 0.5 * ((z @ prec) * z).sum(-1) + 0.3 * (z**4).sum(-1), z @ prec + 1.2 * z**3
+
+    outcomes = set()
+    for trial in range(48):
+        K, batch = 2 + trial % 2, () if trial % 3 else (4,)
+        max_depth = 10 if trial % 8 else 1 + trial % 3
+        z = torch.randn(batch + (D,), generator=gen)
+        U, g = value_and_grad(z)
+        if dense:
+            b = 0.3 * torch.randn(batch + (D, D), generator=gen)
+            inverse_mass = b @ b.mT + torch.eye(D)
+        else:
+            inverse_mass = torch.rand(batch + (D,), generator=gen) + 0.5
+        metric = make_metric(inverse_mass, dense)
+        step_size = torch.full(batch, [0.05, 0.3, 0.8, 2.0][trial % 4])
+        noise = torch.randn(batch + (D,), generator=gen)
+        log_slice = torch.zeros(batch) if multinomial else torch.rand(batch, generator=gen).log()
+        uniforms = torch.rand(batch + (K, 3), generator=gen)
+        state = HMCState(z, U, g)
+        expected = nuts.init_tree(state, noise, log_slice, metric)
+        for j in range(K):
+            expected = nuts.doubling(value_and_grad, expected, uniforms[..., j, :], step_size, inverse_mass, 1 << j,
+                                     max_depth, multinomial)
+        actual = nuts.first_doublings(value_and_grad, state, noise, log_slice, uniforms, step_size, metric, K,
+                                      max_depth, multinomial)
+        for x, y in zip(torch.utils._pytree.tree_leaves(actual), torch.utils._pytree.tree_leaves(expected)):
+            assert x.dtype == y.dtype
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, equal_nan=True)
+        outcomes |= set(zip(expected.depth.reshape(-1).tolist(), expected.diverging.reshape(-1).tolist(),
+                            expected.done.reshape(-1).tolist()))
+    depths = {depth for depth, _, _ in outcomes}
+    assert {0, 1, 2, 3} <= depths and any(not done for _, _, done in outcomes)  # stopped at every depth, or not
+    assert any(diverging for _, diverging, _ in outcomes)
+
+
 def test_tree_depth_limit_is_respected():
     kernel = NUTS(gauss2d, step_size=0.01, adapt_step_size=False, adapt_mass_matrix=False, max_tree_depth=3)
     run(kernel, 50, 0)
