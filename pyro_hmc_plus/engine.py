@@ -157,6 +157,13 @@ class GradientEngine:
             U, g = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
         return U.reshape(batch), g.reshape(z.shape)
 
+    @property
+    def gradient_elements(self):
+        """How many tensor elements one gradient touches (:func:`tracing.elements_touched`),
+        a measure of its arithmetic; ``None`` on the eager path, where Pyro's potential and
+        autograd cost far more than any program's operations."""
+        return None if self._graph is None else self._graph.meta.get("elements_touched")
+
     def _batched_graph(self, n: int):
         """The gradient graph for ``n`` points at once, ``(n, D) -> ((n,), (n, D))``: traced once
         per ``n`` from ``vmap`` of the single-point graph (also in the middle of recording a

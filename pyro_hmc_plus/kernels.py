@@ -23,6 +23,10 @@ from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
 _VALIDATION_POINTS = 2  # random points (besides the initial one) each program is checked at
 _FUSED_DOUBLINGS = 3  # most doublings of a NUTS transition's start fused into one program
+# A gradient touching fewer tensor elements costs little beyond its operations' dispatch (the
+# 285k-element logistic regression's ~25 µs more on one CPU thread): the fused start's
+# leapfrog steps wasted where a tree stops early cost less than the bookkeeping it saves.
+_CHEAP_GRADIENT_ELEMENTS = 100_000
 
 
 def _flatten(x, leaves: list):
@@ -702,6 +706,10 @@ class NUTS(HMC):
         # three (7 leapfrog steps, wasted where the tree stops earlier), within max_unroll
         self._fused_doublings = min(_FUSED_DOUBLINGS, self.max_tree_depth, (self.max_unroll + 1).bit_length() - 1)
 
+    def _reset(self):
+        super()._reset()
+        self._last_tree_depth = None  # of the chain's previous transition
+
     # ------------------------------------------------------------------ programs
     def _program_settings(self) -> tuple:
         return (self.max_tree_depth, self.use_multinomial_sampling)
@@ -874,6 +882,16 @@ class NUTS(HMC):
         return 1
 
     # ------------------------------------------------------------------ the transition
+    def _fused_start_pays(self) -> bool:
+        """Whether this transition's first doublings run as one program: always where a
+        gradient is cheap (the steps it wastes when the tree stops early cost less than the
+        per-doubling bookkeeping it saves: a cheap model gains ~30% even when a third of its
+        trees stop at depth 2), else where the previous transition's tree reached that depth,
+        so that a costly model with shallow trees does not pay for steps it would not take."""
+        elements = self._engine.gradient_elements
+        cheap = elements is not None and elements <= _CHEAP_GRADIENT_ELEMENTS
+        return cheap or self._last_tree_depth is None or self._last_tree_depth >= self._fused_doublings
+
     def _transition(self, warmup: bool):
         flat = self._flat
         noise = self._noise()
@@ -887,7 +905,7 @@ class NUTS(HMC):
         leaves = None
         # uniforms of every possible doubling: direction, draw inside the subtree, draw of the tree
         uniforms = torch.rand(self.max_tree_depth, 3, dtype=flat.dtype, device=flat.device)
-        fused = self._fused_doublings
+        fused = self._fused_doublings if self._fused_start_pays() else 0
         start = self._first_doublings_program() if fused > 1 else self._first_doubling_program()
         if fused > 1:
             try:
@@ -928,6 +946,7 @@ class NUTS(HMC):
             tree.proposal.potential_energy, tree.proposal_energy, tree.sum_accept, tree.n_steps,
             tree.diverging, tree.accepted, tree.depth,
         )
+        self._last_tree_depth = int(tree_depth)
         stats = dict(
             lp=-U, energy=energy, acceptance_rate=nuts.acceptance_statistic(sum_accept, n_steps),
             diverging=bool(diverging),

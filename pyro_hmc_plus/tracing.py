@@ -204,11 +204,27 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     cheaper_indexing(gm)
     fold_linear_chains(gm)
     fold_constants(gm)
+    gm.meta["elements_touched"] = elements_touched(gm)
     if not fake:  # the recorded values: no longer needed, and as large as the model's data
         for node in gm.graph.nodes:
             if node.op != "get_attr":
                 node.meta.pop("val", None)
     return gm
+
+
+def elements_touched(gm: torch.fx.GraphModule) -> int:
+    """Roughly how many tensor elements the graph's operations read or write, each counted
+    at its largest operand or result (a matrix product at its matrix): a measure of its
+    arithmetic, where its number of operations measures its fixed cost in a program. Reads
+    the ``meta["val"]`` of the recorded graph; nodes without one count as nothing."""
+    total = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        operands = [node] + [arg for arg in node.all_input_nodes]
+        sizes = [n.meta["val"].numel() for n in operands if isinstance(n.meta.get("val"), torch.Tensor)]
+        total += max(sizes, default=0)
+    return total
 
 
 def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:

@@ -253,6 +253,28 @@ def test_tree_depth_limit_is_respected():
     assert sum(stats["reached_max_treedepth"]) > 40  # tiny steps: almost every tree hits the limit
 
 
+@pytest.mark.parametrize("cheap", [True, False])
+def test_fused_start_runs_where_it_pays(cheap, monkeypatch):
+    """The first three doublings run as one program at every transition where the gradient
+    is cheap; where it is costly, only after a transition whose tree reached depth 3, so
+    that shallow trees do not pay for leapfrog steps they would not take. Counted on a
+    1-D normal with steps long enough for trees of depth 1-4."""
+    from pyro_hmc_plus import GradientEngine
+
+    # as if traced: a gradient touching 100 or a million tensor elements
+    monkeypatch.setattr(GradientEngine, "gradient_elements", property(lambda self: 100 if cheap else 10**6))
+    calls = []
+    first_doublings = nuts.first_doublings
+    monkeypatch.setattr(nuts, "first_doublings", lambda *args, **kw: calls.append(1) or first_doublings(*args, **kw))
+    kernel = NUTS(potential_fn=lambda p: 0.5 * (p["x"] ** 2).sum(), step_size=0.4, adapt_step_size=False,
+                  adapt_mass_matrix=False, engine="eager")  # eager: every program call is a Python call
+    run(kernel, 60, 0, initial_params={"x": torch.zeros(1)})
+    depths = kernel.sample_stats[0]["tree_depth"]
+    assert {1, 2, 3} <= set(depths)
+    expected = len(depths) if cheap else 1 + sum(depth >= 3 for depth in depths[:-1])
+    assert len(calls) == expected and (cheap or expected < len(depths) / 2)
+
+
 # ---------------------------------------------------------------------------- statistics
 
 

@@ -517,3 +517,18 @@ def test_recorded_programs_take_numbers_as_tensors_of_their_operands_dtype():
                       and v.type().scalarType() != node.inputsAt(0).type().scalarType()
                       for v in list(node.inputs())[1:2])]
     assert numbers == ["aten::gt"]  # n > 1.5 (n / 2 divides by a long tensor: n's own dtype)
+
+
+def test_gradient_elements_measure_arithmetic_not_operations():
+    """The engine's ``gradient_elements`` counts the tensor elements a gradient touches (a
+    product with a 1000 x 20 design matrix, forward and backward, at least twice 20,000),
+    where counting operations would rate the regression and a 2-D Gaussian alike."""
+    x = torch.randn(1000, 20)
+
+    def regression(params):
+        return 0.5 * ((x @ params["w"]) ** 2).sum() + 0.5 * (params["w"] ** 2).sum()
+
+    big = GradientEngine(from_potential_fn(regression, {"w": torch.zeros(20)}, None), "trace")
+    small = GradientEngine(from_potential_fn(lambda p: 0.5 * (p["q"] ** 2).sum(), {"q": torch.zeros(2)}, None), "trace")
+    assert big.gradient_elements >= 2 * x.numel() and small.gradient_elements < 100
+    assert GradientEngine(small.flat, "eager").gradient_elements is None
