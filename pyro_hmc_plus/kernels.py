@@ -637,7 +637,8 @@ class NUTS(HMC):
     A drop-in replacement for :class:`pyro.infer.NUTS`: every argument has Pyro's meaning.
     The algorithm is in :mod:`pyro_hmc_plus.nuts`; each doubling of the trajectory is one
     compiled call (leapfrog steps, U-turn checks and the multinomial draw fused) and one
-    host read of "done?".
+    host read of "done?", and the first three doublings are one call together (where a
+    gradient is cheap, or the previous tree was that deep: :meth:`_fused_start_pays`).
 
     :param bool use_multinomial_sampling: multinomial sampling of the draw among the
         trajectory's states (Stan's NUTS, default); ``False`` uses slice sampling as the
@@ -885,9 +886,10 @@ class NUTS(HMC):
     def _fused_start_pays(self) -> bool:
         """Whether this transition's first doublings run as one program: always where a
         gradient is cheap (the steps it wastes when the tree stops early cost less than the
-        per-doubling bookkeeping it saves: a cheap model gains ~30% even when a third of its
-        trees stop at depth 2), else where the previous transition's tree reached that depth,
-        so that a costly model with shallow trees does not pay for steps it would not take."""
+        per-doubling bookkeeping it saves: cold runs of eight schools were ~20% faster than
+        when choosing by the previous tree, of the 2-D Gaussian, half of whose trees stop at
+        depth 1 or 2, ~10%), else where the previous transition's tree reached that depth, so
+        that a costly model with shallow trees does not pay for steps it would not take."""
         elements = self._engine.gradient_elements
         cheap = elements is not None and elements <= _CHEAP_GRADIENT_ELEMENTS
         return cheap or self._last_tree_depth is None or self._last_tree_depth >= self._fused_doublings

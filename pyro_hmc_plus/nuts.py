@@ -25,7 +25,9 @@ doubling, not per leaf. The result is exactly Stan's: where Stan stops building 
 its first failure, we integrate the subtree to its end and count only the steps up to the
 first failure (``n_steps``, the acceptance statistic). Long subtrees are built in chunks of
 ``2^c`` leaves (:func:`build_subtree`) combined by :func:`merge_subtrees`, in Stan's
-recursion order, so that a failure stops the work after at most one chunk.
+recursion order, so that a failure stops the work after at most one chunk. A transition's
+first doublings can also run as one program (:func:`first_doublings`): their leapfrog steps,
+then the bookkeeping of all of them at once, vectorised over the doublings.
 
 ``use_multinomial_sampling=False`` (Pyro's option) gives slice sampling: a leaf's weight is 1
 inside the slice ``{H - H0 <= -log u}`` and 0 outside; the same code runs with log weights
