@@ -645,7 +645,7 @@ class NUTS(HMC):
     The algorithm is in :mod:`pyro_hmc_plus.nuts`; each doubling of the trajectory is one
     compiled call (leapfrog steps, U-turn checks and the multinomial draw fused) and one
     host read of "done?", and the first three doublings are one call together (where a
-    gradient is cheap, or the previous tree was that deep: :meth:`_fused_start_pays`).
+    gradient is cheap, or where the previous transition's tree was that deep).
 
     :param bool use_multinomial_sampling: multinomial sampling of the draw among the
         trajectory's states (Stan's NUTS, default); ``False`` uses slice sampling as the
