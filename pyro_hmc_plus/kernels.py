@@ -55,6 +55,28 @@ def _unflatten(structure, leaves):
     return tuple(values) if kind is tuple else kind(*values)
 
 
+def one_step_energy_change(value_and_grad, state: HMCState, noise: torch.Tensor, step_size: float,
+                           metric: Metric) -> float:
+    """The energy change of one leapfrog step of ``step_size`` from ``state`` (one chain)
+    with the momentum of ``noise`` under ``metric``; ``inf`` if it is not finite or the model
+    fails numerically. For the step-size search (:func:`adaptation.find_reasonable_step_size`).
+    The step runs op by op on ``value_and_grad`` (the engine's gradient graph): a search makes
+    a few dozen steps in a whole run (~0.2 ms each on eight schools), fewer than recording a
+    program for them would pay for (~30 ms)."""
+    z, U, g = state
+    r = momentum(noise, metric.momentum_scale)
+    eps = torch.tensor(step_size, dtype=z.dtype, device=z.device)
+    try:
+        end = leapfrog(value_and_grad, IntegratorState(z, r, U, g), eps, metric.inverse_mass, 1)
+    except (RuntimeError, ValueError) as e:
+        if not is_numerical_failure(e):
+            raise
+        return math.inf
+    delta = end.potential_energy + kinetic_energy(end.r, metric.inverse_mass) - U - kinetic_energy(r, metric.inverse_mass)
+    delta = delta.item()
+    return delta if math.isfinite(delta) else math.inf
+
+
 class _Program:
     """A compiled program over nested records of tensors. Calling it takes and returns the
     records; :meth:`flat` takes and returns their tensors in :func:`_flatten`'s order, for
@@ -391,23 +413,7 @@ class HMC(MCMCKernel):
         self._dual_avg = adaptation.dual_averaging_init(math.log(self._step_size))
 
     def _one_step_energy_change(self, step_size: float) -> float:
-        """The energy change of one leapfrog step of ``step_size`` from the current point
-        with fresh momentum (``inf`` if not finite), for the step-size search. The step runs
-        op by op on the gradient graph: a search makes a few dozen steps in a whole run
-        (~0.2 ms each on eight schools), fewer than recording a program for them would pay
-        for (~30 ms)."""
-        z, U, g = self._state
-        inverse_mass = self._metric.inverse_mass
-        r0 = momentum(self._noise(), self._metric.momentum_scale)
-        eps = torch.tensor(step_size, dtype=z.dtype, device=z.device)
-        try:
-            end = leapfrog(self._engine.value_and_grad, IntegratorState(z, r0, U, g), eps, inverse_mass, 1)
-        except (RuntimeError, ValueError) as e:
-            if not is_numerical_failure(e):
-                raise
-            return math.inf
-        delta = (end.potential_energy + kinetic_energy(end.r, inverse_mass) - U - kinetic_energy(r0, inverse_mass)).item()
-        return delta if math.isfinite(delta) else math.inf
+        return one_step_energy_change(self._engine.value_and_grad, self._state, self._noise(), step_size, self._metric)
 
     def _adapt(self, i: int, accept_prob: float):
         """Warmup iteration ``i`` (0-based) finished with acceptance statistic ``accept_prob``."""

@@ -17,7 +17,6 @@ interrupted.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from typing import List
@@ -30,12 +29,11 @@ from tqdm.auto import tqdm
 
 from . import adaptation, leafwise
 from .hmc import HMCState
-from .integrator import IntegratorState, leapfrog
 from .engine import is_numerical_failure
 from .inference_data import diagnose, summary_table, to_inference_data
-from .kernels import HMC, _flatten, _unflatten
+from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
 from .nuts import select
-from .metric import kinetic_energy, make_metric, momentum, unit_metric
+from .metric import Metric, make_metric, unit_metric
 
 CHAIN_METHODS = ("vectorized", "sequential", "parallel")
 
@@ -297,16 +295,8 @@ class _VectorizedRun:
         inv, scale = self.metric.inverse_mass[c], self.metric.momentum_scale[c]
 
         def energy_change(eps: float) -> float:
-            r = momentum(torch.randn_like(z), scale)
-            eps_t = torch.tensor(eps, dtype=z.dtype, device=z.device)
-            try:
-                end = leapfrog(k._engine.value_and_grad, IntegratorState(z, r, U, g), eps_t, inv, 1)
-            except (RuntimeError, ValueError) as e:
-                if not is_numerical_failure(e):
-                    raise
-                return math.inf
-            delta = (end.potential_energy + kinetic_energy(end.r, inv) - U - kinetic_energy(r, inv)).item()
-            return delta if math.isfinite(delta) else math.inf
+            return one_step_energy_change(k._engine.value_and_grad, HMCState(z, U, g), torch.randn_like(z), eps,
+                                          Metric(inv, scale))
 
         return adaptation.find_reasonable_step_size(energy_change, step_size, k.min_stepsize, k.max_stepsize)
 
