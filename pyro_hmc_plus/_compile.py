@@ -128,6 +128,15 @@ def _trusted_cpu_isa():
         yield
 
 
+def _on_contiguous_inputs(run):
+    """``run``, a compiled program of flat tensors, called on contiguous inputs. Compiled
+    code is specialised to its example inputs' layout (contiguous: the engine compiles at
+    contiguous copies) and reads a tensor with other strides wrongly, without an error: a
+    NUTS tree whose ends are slices of one tensor made a compiled doubling run every tree
+    to the maximum depth. ``contiguous()`` returns a contiguous tensor itself."""
+    return lambda *xs: run(*[x.contiguous() for x in xs])
+
+
 def inductor(gm: torch.fx.GraphModule, example_inputs):
     for node in gm.graph.nodes:
         node.meta = {}  # fake tensors from the nested make_fx calls confuse inductor
@@ -140,7 +149,7 @@ def inductor(gm: torch.fx.GraphModule, example_inputs):
         options = {"cpp_wrapper": True} if example_inputs[0].device.type == "cpu" else {}
         with _trusted_cpu_isa():
             fn = compile_fx(gm, list(example_inputs), options=options)
-        return lambda *xs: fn(*xs)
+        return _on_contiguous_inputs(fn)
     return torch.compile(gm, fullgraph=True, dynamic=False)
 
 
@@ -208,12 +217,12 @@ def aot_load(key: str):
     if loader_class is not None and hasattr(loader_class, "boxed_run"):
         # (path, model name, run single-threaded, number of runners, device index)
         boxed_run = loader_class(str(path), "model", False, 1, -1).boxed_run
-        return lambda *xs: tuple(boxed_run(list(xs)))
+        return _on_contiguous_inputs(lambda *xs: tuple(boxed_run(list(xs))))
     from torch._inductor import aoti_load_package
 
     with _trusted_cpu_isa():  # the public loader probes the CPU (~1 s of test compilations per process)
         runner = aoti_load_package(str(path))
-    return lambda *xs: tuple(runner(*xs))
+    return _on_contiguous_inputs(lambda *xs: tuple(runner(*xs)))
 
 
 def aot_compile(gm: torch.fx.GraphModule, example_inputs, key: str):

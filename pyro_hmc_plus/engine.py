@@ -213,8 +213,9 @@ class GradientEngine:
 
         if self.name == "eager":
             return eager
-        # distinct copies: a tracer would merge two inputs that are the same tensor object
-        examples = tuple(x.clone() for x in example_inputs)
+        # distinct copies (a tracer would merge two inputs that are the same tensor object),
+        # contiguous (what compiled programs are called with: _compile._on_contiguous_inputs)
+        examples = tuple(x.clone(memory_format=torch.contiguous_format) for x in example_inputs)
         key = self._aot_key(cache_key, examples) if self.use_aot_cache and cache_key is not None else None
         cached = self._load_cached(key) if key is not None else None
         if cached is not None:

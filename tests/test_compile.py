@@ -63,6 +63,11 @@ def test_inductor_backend_compiles_a_traced_graph():
     fn = _compile.inductor(gm, (torch.randn(3),))
     U, g = fn(torch.ones(3))
     assert torch.allclose(U, torch.tensor(3.0)) and torch.allclose(g, 2 * torch.ones(3))
+    # an input with other strides than the example's (a slice of a larger tensor, as a NUTS
+    # tree's ends are): compiled code specialised to contiguous inputs must not misread it
+    sliced = torch.arange(6.0).reshape(3, 2)[:, 1]
+    U, g = fn(sliced)
+    assert torch.allclose(U, (sliced**2).sum()) and torch.equal(g, 2 * sliced)
 
 
 AOT_SCRIPT = """
@@ -74,8 +79,8 @@ def potential(params):
     return 0.5 * (params["x"] ** 2).sum()
 
 pyro.set_rng_seed(0)
-kernel = NUTS(potential_fn=potential, step_size=0.5, adapt_step_size=False, adapt_mass_matrix=False,
-              max_tree_depth=2, engine=sys.argv[1])
+kernel = NUTS(potential_fn=potential, step_size=0.2, adapt_step_size=False, adapt_mass_matrix=False,
+              max_tree_depth=3, max_unroll=4, engine=sys.argv[1])
 mcmc = MCMC(kernel, num_samples=20, warmup_steps=0, initial_params={"x": torch.zeros(2)}, disable_progbar=True)
 mcmc.run()
 print(kernel.engine_name, kernel._engine.cached_programs, mcmc.get_samples()["x"].sum().item(),
@@ -87,7 +92,9 @@ print(kernel.engine_name, kernel._engine.cached_programs, mcmc.get_samples()["x"
 def test_aot_cache_compiles_once_and_later_processes_load(tmp_path):
     """engine="aot" compiles into the on-disk cache; a later process (engine="auto") loads
     the programs from it without importing torch._inductor (which imports torch._dynamo,
-    seconds of a fresh process), and its draws equal those of the plain traced engine."""
+    seconds of a fresh process), and its draws equal those of the plain traced engine. The
+    trees go past the fused start into chunked doublings, whose compiled programs take the
+    fused start's outputs (views with their own strides) as inputs."""
     import os
     import subprocess
     import sys
@@ -103,9 +110,11 @@ def test_aot_cache_compiles_once_and_later_processes_load(tmp_path):
     name, cached, aot_total, _ = run("aot")
     assert name == "aot" and cached == 0
     packages = list(tmp_path.rglob("*.pt2"))
-    assert len(packages) == 3  # the first doubling, the 2-state doubling, the first two doublings at once
+    # the first doubling, the first two at once, the 2-state doubling, the 4-state chunk and
+    # the start, merge and extend of chunked doublings
+    assert len(packages) == 7
     name, cached, warm_total, imported_inductor = run("auto")
-    assert cached == 1 and not imported_inductor  # the run needs only the two doublings at once
+    assert cached == 4 and not imported_inductor  # the fused start, then chunk, start, extend
     _, _, trace_total, _ = run("trace")
     assert abs(warm_total - trace_total) < 1e-4 and abs(aot_total - trace_total) < 1e-4
 
