@@ -72,8 +72,8 @@ def one_step_energy_change(value_and_grad, state: HMCState, noise: torch.Tensor,
         if not is_numerical_failure(e):
             raise
         return math.inf
-    delta = end.potential_energy + kinetic_energy(end.r, metric.inverse_mass) - U - kinetic_energy(r, metric.inverse_mass)
-    delta = delta.item()
+    inverse_mass = metric.inverse_mass
+    delta = (end.potential_energy + kinetic_energy(end.r, inverse_mass) - U - kinetic_energy(r, inverse_mass)).item()
     return delta if math.isfinite(delta) else math.inf
 
 
@@ -926,7 +926,8 @@ class NUTS(HMC):
                 elif depth < self._chunk_depth:
                     leaves = self._doubling_program(depth).flat(*leaves, rands, step_size, inverse_mass)
                 else:
-                    leaves = _leaves(self._chunked_doubling(start.records(leaves), depth, rands, step_size, inverse_mass))
+                    tree = start.records(leaves)
+                    leaves = _leaves(self._chunked_doubling(tree, depth, rands, step_size, inverse_mass))
             except (RuntimeError, ValueError) as e:
                 if not is_numerical_failure(e):
                     raise

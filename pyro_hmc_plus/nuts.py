@@ -441,7 +441,8 @@ class _FirstDoublings(NamedTuple):
     pow2: torch.Tensor  # (K,) 2**j: a pattern of directions is sum_j forward_j 2**j
     joins: torch.Tensor  # (2**K, 4K) pool indices per pattern: for each doubling the tree end it grows
     #                      from, the other end, its subtree's first leaf and last leaf
-    ends: torch.Tensor  # (2**K * K, 2) pool indices of the tree's (backward, forward) ends after doubling j, row pattern * K + j
+    ends: torch.Tensor  # (2**K * K, 2) pool indices of the tree's (backward, forward) ends
+    #                     after doubling j, row pattern * K + j
     first_of_leaf: torch.Tensor  # (n,) the first leaf of each leaf's segment
     in_segment: torch.Tensor  # (K, n) bool
     segment_matrix: torch.Tensor  # (K, n) the same, 0/1 in the floating dtype
@@ -574,7 +575,8 @@ def first_doublings(
     pattern = (forward.to(torch.int64) * c.pow2).sum(-1)
     joins = c.joins[pattern.unsqueeze(-1)].squeeze(-2)  # (..., 4K) (a 0-d index would be read on the host)
     rv = pool[..., D:3 * D].gather(-2, joins.unsqueeze(-1).expand(joins.shape + (2 * D,)))
-    (p_near, p_far, p_first, p_last), (v_near, v_far, v_first, v_last) = rv[..., :D].split(K, -2), rv[..., D:].split(K, -2)
+    p_near, p_far, p_first, p_last = rv[..., :D].split(K, -2)
+    v_near, v_far, v_first, v_last = rv[..., D:].split(K, -2)
     seg_rho = cumulative.index_select(-2, c.segment_ends[1]) - cumulative.index_select(-2, c.segment_ends[0])
     rho_before = r0.unsqueeze(-2) + seg_rho.cumsum(-2) - seg_rho
     ok = _joins_without_u_turn(v_far, v_near, p_near, rho_before, v_first, v_last, p_first, seg_rho)
