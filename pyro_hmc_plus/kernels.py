@@ -64,15 +64,15 @@ def one_step_energy_change(value_and_grad, state: HMCState, noise: torch.Tensor,
     a few dozen steps in a whole run (~0.2 ms each on eight schools), fewer than recording a
     program for them would pay for (~30 ms)."""
     z, U, g = state
+    inverse_mass = metric.inverse_mass
     r = momentum(noise, metric.momentum_scale)
     eps = torch.tensor(step_size, dtype=z.dtype, device=z.device)
     try:
-        end = leapfrog(value_and_grad, IntegratorState(z, r, U, g), eps, metric.inverse_mass, 1)
+        end = leapfrog(value_and_grad, IntegratorState(z, r, U, g), eps, inverse_mass, 1)
     except (RuntimeError, ValueError) as e:
         if not is_numerical_failure(e):
             raise
         return math.inf
-    inverse_mass = metric.inverse_mass
     delta = (end.potential_energy + kinetic_energy(end.r, inverse_mass) - U - kinetic_energy(r, inverse_mass)).item()
     return delta if math.isfinite(delta) else math.inf
 

@@ -438,7 +438,8 @@ class _FirstDoublings(NamedTuple):
     ``i`` is the ``i``-th built, doubling ``j``'s are the segment ``2**j - 1 .. 2**(j+1) - 2``;
     the *pool* of states is the start, index 0, then leaf ``i`` at ``1 + i``)."""
 
-    pow2: torch.Tensor  # (K,) 2**j: a pattern of directions is sum_j forward_j 2**j
+    sizes: torch.Tensor  # (K,) 2**j: doubling j's leaves, the pool index of its first leaf, and its
+    #                      bit in a pattern of directions (sum_j forward_j 2**j)
     joins: torch.Tensor  # (2**K, 4K) pool indices per pattern: for each doubling the tree end it grows
     #                      from, the other end, its subtree's first leaf and last leaf
     ends: torch.Tensor  # (2**K * K, 2) pool indices of the tree's (backward, forward) ends
@@ -449,7 +450,6 @@ class _FirstDoublings(NamedTuple):
     segment_log_mask: torch.Tensor  # (K, n) 0 inside the segment, -inf outside
     last_in_segment: torch.Tensor  # (K,) 2**j - 1: largest index inside segment j
     segment_ends: torch.Tensor  # (2, K) rows of _cumulative_momenta bounding each segment
-    first_pool_index: torch.Tensor  # (K,) pool index of segment j's first leaf
     doubling_number: torch.Tensor  # (K,) j + 1
     is_last: torch.Tensor  # (K,) bool: j == K - 1
     blocks: tuple  # the U-turn blocks inside every segment (:func:`_subtree_blocks`)
@@ -478,11 +478,11 @@ def _first_doublings_constants(K: int, device, dtype) -> _FirstDoublings:
     def t(x, dtype=torch.int64):
         return torch.tensor(x, dtype=dtype, device=device)
     return _FirstDoublings(
-        pow2=t(sizes), joins=t(joins), ends=t(ends).reshape(-1, 2),
+        sizes=t(sizes), joins=t(joins), ends=t(ends).reshape(-1, 2),
         first_of_leaf=t([size - 1 for size in sizes for _ in range(size)]),
         in_segment=t(in_segment, torch.bool), segment_matrix=t(in_segment, dtype),
         segment_log_mask=t([[0.0 if x else -float("inf") for x in row] for row in in_segment], dtype),
-        last_in_segment=t([size - 1 for size in sizes]), first_pool_index=t(sizes),
+        last_in_segment=t([size - 1 for size in sizes]),
         segment_ends=t([[size - 1 for size in sizes], [2 * size - 1 for size in sizes]]),
         doubling_number=t(list(range(1, K + 1))), is_last=t([j == K - 1 for j in range(K)], torch.bool),
         blocks=_subtree_blocks(sizes, device, dtype),
@@ -563,7 +563,7 @@ def first_doublings(
     total = weights.sum(-1, keepdim=True)
     seg_log_weight = (total.log() + peak).squeeze(-1)  # (..., K)
     below = ((weights / total).cumsum(-1) < uniforms[..., 1].unsqueeze(-1)) & c.in_segment
-    drawn = torch.minimum(below.sum(-1), c.last_in_segment) + c.first_pool_index  # pool index (..., K)
+    drawn = torch.minimum(below.sum(-1), c.last_in_segment) + c.sizes  # pool index (..., K)
     # the tree's log weight after 0, 1, ..., K doublings (the start weighs 1), and the biased
     # progressive sampling of each doubling (uniform uniforms[..., j, 2])
     tree_log_weights = [torch.zeros_like(U0)]
@@ -572,7 +572,7 @@ def first_doublings(
     tree_log_weight = torch.stack(tree_log_weights, -1)  # (..., K + 1)
     take = valid & (uniforms[..., 2] < torch.exp(seg_log_weight - tree_log_weight[..., :K]))
     # the U-turn checks across each join: the tree before doubling j, its new subtree
-    pattern = (forward.to(torch.int64) * c.pow2).sum(-1)
+    pattern = (forward.to(torch.int64) * c.sizes).sum(-1)
     joins = c.joins[pattern.unsqueeze(-1)].squeeze(-2)  # (..., 4K) (a 0-d index would be read on the host)
     rv = pool[..., D:3 * D].gather(-2, joins.unsqueeze(-1).expand(joins.shape + (2 * D,)))
     p_near, p_far, p_first, p_last = rv[..., :D].split(K, -2)
