@@ -149,7 +149,9 @@ class GradientEngine:
         if z.dim() == 1:
             return self._graph(z)
         batch, flat_z = z.shape[:-1], z.reshape(-1, z.shape[-1])
-        batched = self._batched_graph(flat_z.shape[0])
+        with _compile.outside_traces():  # a recording's sizes are tensors (a new key at every call)
+            n = flat_z.shape[0]
+        batched = self._batched_graph(n)
         if batched is not None:
             U, g = batched(flat_z)
         else:
