@@ -14,7 +14,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
-from . import adaptation, leafwise, nuts, potential
+from . import adaptation, leafwise, nuts, potential, rounds
 from .engine import GradientEngine, is_numerical_failure
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
 from .integrator import IntegratorState, leapfrog
@@ -541,11 +541,14 @@ class HMC(MCMCKernel):
         return [self._block_inputs(p, gen) for p in points]
 
     # ------------------------------------------------------------------ many chains at once
-    # (pyro_hmc_plus.MCMC's vectorized runs: every chain advances one leapfrog step per call)
+    # (pyro_hmc_plus.MCMC's vectorized runs: every chain advances one round per call, for HMC
+    # one leapfrog step or a whole fixed-length transition, for NUTS see rounds.nuts_round)
     def _chains_init(self, state: HMCState, metric: Metric, step_size: leafwise.StepSize):
         return leafwise.hmc_init(state, metric, step_size)
 
-    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule):
+    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):
+        """One round for every chain: ``(chains, draw, done, steps)``. ``chunks`` is NUTS's
+        choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
         if self._fixed_trajectories():
             return leafwise.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
         return leafwise.hmc_advance(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length)
@@ -555,9 +558,16 @@ class HMC(MCMCKernel):
         batched call runs whole transitions, fused."""
         return not self.adapt_step_size and self.num_steps <= self.max_unroll
 
-    def _steps_per_round(self) -> int:
+    def _chains_continuing(self, chains):
+        """``(C,)`` bool: chains that a round with ``chunks=False`` would not advance (NUTS
+        chains in the middle of a deep tree; none for HMC)."""
+        return torch.zeros_like(chains.draws, dtype=torch.bool)
+
+    def _steps_per_round(self, chunks: bool = True) -> int:
         """Leapfrog steps per chain in one round of :meth:`_chains_advance`."""
         return self.num_steps if self._fixed_trajectories() else 1
+
+    _chains_uniforms = leafwise.NUM_UNIFORMS  # per chain and round
 
     def _chains_settings(self) -> tuple:
         """What the batched program depends on besides its inputs' shapes."""
@@ -864,18 +874,24 @@ class NUTS(HMC):
 
     # ------------------------------------------------------------------ many chains at once
     def _chains_init(self, state: HMCState, metric: Metric, step_size: leafwise.StepSize):
-        return leafwise.nuts_init(state, metric, step_size, self.max_tree_depth)
+        return rounds.nuts_init(state, metric, step_size, self.max_tree_depth)
 
-    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule):
-        return leafwise.nuts_advance(
-            value_and_grad, chains, noise, uniforms, metric, schedule, self.max_tree_depth, self.use_multinomial_sampling
+    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):
+        return rounds.nuts_round(
+            value_and_grad, chains, noise, uniforms, metric, schedule, self.max_tree_depth, self.use_multinomial_sampling,
+            chunks=chunks,
         )
+
+    def _chains_continuing(self, chains):
+        return ~chains.starting
 
     def _chains_settings(self) -> tuple:
         return self._program_settings()
 
-    def _steps_per_round(self) -> int:
-        return 1
+    def _steps_per_round(self, chunks: bool = True) -> int:
+        return rounds.steps_per_round(self.max_tree_depth, chunks)
+
+    _chains_uniforms = rounds.NUM_UNIFORMS
 
     # ------------------------------------------------------------------ the transition
     def _fused_start_pays(self) -> bool:

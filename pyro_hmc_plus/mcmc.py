@@ -2,9 +2,10 @@
 
 ``chain_method="vectorized"`` (the default for this package's kernels) keeps every chain in
 one batch of flat states in this process: each compiled call advances every chain by one
-leapfrog step (:mod:`pyro_hmc_plus.leafwise`), so one gradient evaluation serves all chains,
-no chain waits for another's trajectory, nothing is pickled and no worker process is
-spawned. ``"sequential"`` and ``"parallel"`` are Pyro's (one chain after another in this
+round (NUTS: a transition's fused start or a chunk of a deeper tree,
+:mod:`pyro_hmc_plus.rounds`; HMC: a leapfrog step, :mod:`pyro_hmc_plus.leafwise`), so one
+gradient evaluation serves all chains, no chain waits for another's trajectory, nothing is
+pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's (one chain after another in this
 process, through Pyro's own ``_gen_samples`` but without its per-draw logging; one process
 per chain).
 
@@ -49,18 +50,20 @@ class MCMC(pyro.infer.MCMC):
         ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
-        run (a chain starts its next transition within the call as soon as one ends; HMC
-        without step-size adaptation runs at least one whole trajectory per call). More
-        leaves per call spread the host's work per call thinner but make a longer program
-        to trace or compile: with programs compiled to C++ (``engine="aot"``) 8 is faster
-        (4 NUTS chains of eight schools: 0.9 s against 1.1 s warm), with traced ones 4.
+        run, in whole rounds of the kernel's (at least one: a NUTS round is up to 15 steps,
+        an HMC round one step, or one whole trajectory without step-size adaptation). More
+        steps per call spread the host's work per call thinner but make a longer program to
+        trace or compile.
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
         (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
         and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
 
     After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
-    batched gradient calls that did useful work (a chain idles only when it is finished or
-    waits for its metric update at the end of an adaptation window); :attr:`step_size`
+    batched gradient evaluations that did useful work: the leapfrog steps of the chains'
+    transitions (as Stan counts them) over those computed. Slots are idle where a chain is
+    finished or waits for its metric update at the end of an adaptation window, and in a
+    NUTS round where a chain uses one part of the round and not the other, or its fused
+    start's steps after its tree stopped (see :mod:`pyro_hmc_plus.rounds`); :attr:`step_size`
     ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)`` are each chain's
     adapted values (over the flat unconstrained vector, sites in sorted order).
     """
@@ -301,17 +304,22 @@ class _VectorizedRun:
         return adaptation.find_reasonable_step_size(energy_change, step_size, k.min_stepsize, k.max_stepsize)
 
     # ------------------------------------------------------------------ the compiled call
-    def _advance_program(self):
+    def _advance_program(self, chunks: bool):
+        """The compiled call of ``T`` rounds; ``chunks=False``: its first round only starts
+        transitions (:func:`pyro_hmc_plus.rounds.nuts_round`), for calls where no chain is
+        in the middle of one. Returns the chains, the rounds' draws, done flags and steps,
+        and which chains are in the middle of a transition after the call."""
         k, T = self.kernel, self.T
 
         def advance(value_and_grad, chains, noise, uniforms, metric, schedule):
-            draws, dones, actives = [], [], []
+            draws, dones, steps = [], [], []
             for t in range(T):
-                chains, draw, done, active = k._chains_advance(value_and_grad, chains, noise[t], uniforms[t], metric, schedule)
+                chains, draw, done, used = k._chains_advance(value_and_grad, chains, noise[t], uniforms[t], metric,
+                                                             schedule, chunks or t > 0)
                 draws.append(draw)
                 dones.append(done)
-                actives.append(active)
-            return chains, torch.stack(draws), torch.stack(dones), torch.stack(actives)
+                steps.append(used)
+            return chains, torch.stack(draws), torch.stack(dones), torch.stack(steps), k._chains_continuing(chains)
 
         def validation():
             gen = torch.Generator(device=self.metric.inverse_mass.device).manual_seed(0)
@@ -322,12 +330,17 @@ class _VectorizedRun:
                 U, g = k._engine.eager_value_and_grad(z)
                 chains = k._chains_init(HMCState(z, U, g), self.metric, self.chains.step_size)
                 noise = torch.randn((T,) + z.shape, generator=gen, dtype=z.dtype, device=z.device)
-                uniforms = torch.rand((T, self.C, leafwise.NUM_UNIFORMS), generator=gen, dtype=z.dtype, device=z.device)
+                uniforms = torch.rand((T, self.C, k._chains_uniforms), generator=gen, dtype=z.dtype, device=z.device)
                 out.append((chains, noise, uniforms, self.metric, self.schedule))
             return out
 
-        self._eager_advance = lambda *xs: advance(self._safe_value_and_grad, *xs)
-        return k._program(("chains", self.C, T) + k._chains_settings(), advance, validation)
+        self._eager_advance[chunks] = lambda *xs: advance(self._safe_value_and_grad, *xs)
+        return k._program(("chains", self.C, T, chunks) + k._chains_settings(), advance, validation)
+
+    def _slots(self, chunks: bool) -> int:
+        """Leapfrog steps per chain of one call of :meth:`_advance_program` ``(chunks)``."""
+        k = self.kernel
+        return k._steps_per_round(chunks) + (self.T - 1) * k._steps_per_round(True)
 
     def _safe_value_and_grad(self, z: torch.Tensor):
         """Eager ``(U, dU/dz)`` chain by chain, with ``U = nan`` (a divergence) where the model
@@ -376,34 +389,39 @@ class _VectorizedRun:
         and splitting the draws row by row took."""
         self._setup(args, kwargs, initial)
         C, T = self.C, self.T
-        program = self._advance_program()
+        self._eager_advance = {}
+        programs = {}
+        chunks = False  # every chain is about to start a transition
         z = self.chains.position.z
         structure, leaves, fixed = self._flat_inputs()
         n = len(leaves)
         rows = _Rows(C, self.W, z.new_zeros(0, self.D + leafwise.NUM_STATS))
         counts = [0] * C
         pause_at = self.schedule.pause_at.tolist()
-        calls, useful = 0, torch.zeros((), dtype=torch.int64)  # slots that did work, summed without host reads
+        slots, useful = 0, torch.zeros((), dtype=torch.int64)  # steps that did work, summed without host reads
         bar = tqdm(total=C * self.total, disable=disable_progbar, dynamic_ncols=True, desc="Warmup")
         last_postfix = 0.0
         try:
             while min(counts) < self.total:
                 noise = torch.randn((T, C, self.D), dtype=z.dtype, device=z.device)
-                uniforms = torch.rand((T, C, leafwise.NUM_UNIFORMS), dtype=z.dtype, device=z.device)
+                uniforms = torch.rand((T, C, self.kernel._chains_uniforms), dtype=z.dtype, device=z.device)
+                if chunks not in programs:
+                    programs[chunks] = self._advance_program(chunks)
                 try:
-                    out = program.flat(*leaves, noise, uniforms, *fixed)
+                    out = programs[chunks].flat(*leaves, noise, uniforms, *fixed)
                 except (RuntimeError, ValueError) as e:
                     if not is_numerical_failure(e):
                         raise
                     chains = _unflatten(structure, iter(leaves))
                     out = []
-                    _flatten(self._eager_advance(chains, noise, uniforms, self.metric, self.schedule), out)
-                leaves, (draws, done, active) = out[:n], out[n:]
+                    _flatten(self._eager_advance[chunks](chains, noise, uniforms, self.metric, self.schedule), out)
+                leaves, (draws, done, steps, continuing) = out[:n], out[n:]
                 emitted = done.sum(0).tolist()
                 if hook is not None:
                     self._call_hook(hook, draws, done, counts)
                 rows.add(draws, done)
-                calls, useful = calls + 1, useful + active.sum()
+                slots, useful = slots + C * self._slots(chunks), useful + steps.sum()
+                chunks = bool(continuing.any())
                 for c in range(C):
                     counts[c] += emitted[c]
                 paused = [c for c in range(C) if counts[c] == pause_at[c] and counts[c] < self.total]
@@ -434,7 +452,6 @@ class _VectorizedRun:
             if not disable_progbar:
                 self._describe(bar, counts, rows.divergences())
             bar.close()
-            slots = T * C * calls
             self.utilisation = int(useful) / slots if slots else float("nan")
         return [rows.of_chain(c) for c in range(C)]
 

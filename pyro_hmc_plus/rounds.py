@@ -1,0 +1,281 @@
+"""NUTS for a batch of chains, round by round, so that no chain waits for another's tree.
+
+In a batch, a chain whose tree has stopped must not sit idle until every other chain's tree
+stops (lock-step, as ``vmap``-ed samplers do). Here each chain's transition is a small state
+machine that advances by one *round* per call of :func:`nuts_round`, for every chain at once.
+In a round, each chain that is not paused does one or both of:
+
+1. **start** a transition (new momentum from the round's noise) and build its first three
+   doublings, fused: :func:`pyro_hmc_plus.nuts.first_doublings` (7 leapfrog steps, then the
+   bookkeeping of the three doublings at once). Most trees of a well-adapted NUTS stop
+   there; their transition ends in this round and the chain starts its next one in the
+   next round.
+2. **continue** a deeper tree by the next *chunk* of its current subtree: 8 leapfrog steps
+   (:func:`pyro_hmc_plus.nuts.build_subtree`, with the U-turn checks inside the chunk),
+   added to the subtree by progressive sampling (the chunk's draw replaces the subtree's
+   with probability ``w_chunk / w_subtree``, which gives the multinomial distribution of
+   Stan's recursion), with Stan's U-turn checks of the blocks of 2, 4, ... chunks that this
+   chunk completes, vectorised over the block sizes: the first and last momenta and the
+   momentum sums of the open blocks are kept as checkpoints, one row per block size (a
+   binary counter over the chunk index, as in NumPyro's iterative NUTS). A complete,
+   turned or divergent subtree is merged into the tree by
+   :func:`pyro_hmc_plus.nuts.extend_tree` (biased progressive sampling, the U-turn check
+   across the join, the stopping rule). A chain whose first doublings did not stop its tree
+   builds its fourth doubling's first chunk in the same round.
+
+A chain whose transition ends emits its draw and updates its own step size by dual averaging
+(warmup). A transition is therefore exactly Stan's (same tree depth, number of steps,
+acceptance statistic and divergences for the same momentum and directions); only the random
+numbers are consumed in a different order. Chains that are *paused* (waiting for the host
+to update their metric at the end of an adaptation window, or finished) keep their state.
+
+Why rounds and not one leaf per call: a traced program costs about a microsecond per
+operation whatever the batch size, and the bookkeeping of a leaf (its U-turn checks, the
+merge, the draw, the restart of finished chains) is hundreds of operations; fused over the
+seven leaves of a transition's first doublings (or the eight of a chunk), it is paid once per
+round instead of once per leaf. The price: a round runs both parts for every chain (each
+chain uses one or both), and the fused start's steps after a tree stops early are wasted.
+
+Every function is pure and batch-shaped, with leading dimension C (chains).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+
+from . import nuts
+from .hmc import MAX_ENERGY_ERROR, HMCState
+from .integrator import IntegratorState
+from .leafwise import Schedule, StepSize, counted_and_adapted, draw_row
+from .metric import Metric
+from .nuts import select
+
+FUSED_DOUBLINGS = 3  # doublings of a transition's start, fused
+CHUNK_DEPTH = 3  # a deeper doubling is built 2**3 leaves per round
+
+# Columns of a round's ``uniforms (C, NUM_UNIFORMS)``: the slice variable, the fused start's
+# (direction, draw inside the subtree, progressive draw) for each of its doublings, the
+# direction of the fourth doubling, then the chunk's draw, its progressive draw into the
+# subtree, the progressive draw of the subtree into the tree, the next subtree's direction.
+SLICE = 0
+FIRST_DOUBLINGS = 1
+ENTRY_DIRECTION = FIRST_DOUBLINGS + 3 * FUSED_DOUBLINGS
+CHUNK_DRAW, CHUNK_TAKE, TREE_DRAW, NEXT_DIRECTION = range(ENTRY_DIRECTION + 1, ENTRY_DIRECTION + 5)
+NUM_UNIFORMS = NEXT_DIRECTION + 1
+
+
+class SubtreeSoFar(NamedTuple):
+    """The chunks of the subtree under construction, merged. Batch shape ``(C,)``."""
+
+    rho: torch.Tensor  # (C, D) sum of their momenta
+    log_weight: torch.Tensor  # -inf before the first chunk
+    proposal: HMCState
+    proposal_energy: torch.Tensor
+    n_steps: torch.Tensor  # int64
+    sum_accept: torch.Tensor
+
+
+def _no_chunks(proposal: HMCState, proposal_energy: torch.Tensor) -> SubtreeSoFar:
+    """A subtree before its first chunk. Its proposal weighs nothing, so it is never taken:
+    pass the one it replaces, and selecting between the two skips it."""
+    zero = torch.zeros_like(proposal_energy)
+    return SubtreeSoFar(torch.zeros_like(proposal.z), torch.full_like(zero, -float("inf")), proposal,
+                        proposal_energy, torch.zeros_like(zero, dtype=torch.int64), zero)
+
+
+class NUTSChains(NamedTuple):
+    """Every chain's NUTS transition in progress, batch shape ``(C,)``."""
+
+    position: HMCState  # the chain's current draw
+    starting: torch.Tensor  # bool: the next round starts a new transition at ``position``
+    tree: nuts.Tree  # the tree before the subtree under construction
+    forward: torch.Tensor  # bool: direction of the subtree under construction
+    leaf: IntegratorState  # where the subtree's next chunk starts
+    n_chunks: torch.Tensor  # int64: chunks of the subtree built so far
+    subtree: SubtreeSoFar  # the subtree's chunks so far
+    block_begin: torch.Tensor  # (C, L, 3D): v, p, rho-before at the first leaf of the open block of 2**k chunks
+    block_end: torch.Tensor  # (C, L, 2D): v, p at the last leaf of the last complete block of 2**k chunks
+    step_size: StepSize
+    draws: torch.Tensor  # int64: draws made so far (warmup included)
+
+
+def steps_per_round(max_tree_depth: int, chunks: bool = True) -> int:
+    """Leapfrog steps of one round per chain (:func:`nuts_round`): the fused start's, and a
+    chunk's where trees can be deeper than the fused start."""
+    fused = min(FUSED_DOUBLINGS, max_tree_depth)
+    return (1 << fused) - 1 + ((1 << CHUNK_DEPTH) if chunks and max_tree_depth > fused else 0)
+
+
+def _chunk_levels(max_tree_depth: int) -> int:
+    """Block sizes 1, 2, ... chunks up to the largest subtree, ``2**(max_tree_depth - 1)``
+    leaves (at least one row, so that shapes do not depend on the depth limit)."""
+    return max(1, max_tree_depth - FUSED_DOUBLINGS)
+
+
+def nuts_init(state: HMCState, metric: Metric, step_size: StepSize, max_tree_depth: int) -> NUTSChains:
+    """Every chain about to start its first transition from ``state`` (batch ``(C,)``)."""
+    z = state.z
+    C, D = z.shape
+    L = _chunk_levels(max_tree_depth)
+    tree = nuts.init_tree(state, torch.zeros_like(z), torch.zeros_like(state.potential_energy), metric)  # placeholder
+    return NUTSChains(
+        state, torch.ones(C, dtype=torch.bool, device=z.device), tree,
+        forward=torch.ones(C, dtype=torch.bool, device=z.device),
+        leaf=nuts.fresh_tree_end(tree),
+        n_chunks=torch.zeros(C, dtype=torch.int64, device=z.device),
+        subtree=_no_chunks(state, tree.H0),
+        block_begin=z.new_zeros(C, L, 3 * D),
+        block_end=z.new_zeros(C, L, 2 * D),
+        step_size=step_size,
+        draws=torch.zeros(C, dtype=torch.int64, device=z.device),
+    )
+
+
+def _level_masks(n: torch.Tensor, levels: int):
+    """For chunk index ``n (C,)``, which block sizes ``2**k`` (k < ``levels``) begin at ``n``
+    and which end at it: two ``(C, levels)`` bool masks."""
+    low_bits = torch.tensor([(1 << k) - 1 for k in range(levels)], device=n.device)  # a constant in a trace
+    begins = (n.unsqueeze(-1) & low_bits) == 0
+    ends = ((n + 1).unsqueeze(-1) & low_bits) == 0
+    return begins, ends
+
+
+def _blocks_turned(n, chunk: nuts.Subtree, rho_before, inverse_mass, block_begin, block_end, levels: int):
+    """Stan's U-turn checks (with its two extra checks across the halves) of the blocks of
+    2, 4, ... chunks that chunk ``n`` completes, from the checkpoints of the open blocks
+    (``levels`` rows, block sizes ``2**k`` chunks, passed: a recording would follow a shape);
+    returns ``(turned, block_begin, block_end)`` with the checkpoints updated."""
+    D = chunk.rho.shape[-1]
+    v_first, v_last = nuts._velocities(torch.stack([chunk.p_first, chunk.p_last], -2), inverse_mass).unbind(-2)
+    begins, ends = _level_masks(n, levels)
+    here = torch.cat([v_first, chunk.p_first, rho_before], -1).unsqueeze(-2)
+    block_begin = torch.where(begins.unsqueeze(-1), here, block_begin)
+    turned = torch.zeros_like(chunk.valid)
+    if levels > 1:
+        v_b0, p_b0, rho_at_mid = block_begin[..., :-1, :].split([D] * 3, -1)  # second half's first leaf
+        v_a0, _, rho_at_first = block_begin[..., 1:, :].split([D] * 3, -1)  # the block's first leaf
+        v_a1, p_a1 = block_end[..., :-1, :].split([D] * 2, -1)  # first half's last leaf
+        v_b1 = v_last.unsqueeze(-2).expand_as(v_b0)
+        rho_after = rho_before + chunk.rho
+        ok = nuts._joins_without_u_turn(
+            v_a0, v_a1, p_a1, rho_at_mid - rho_at_first, v_b0, v_b1, p_b0, rho_after.unsqueeze(-2) - rho_at_mid
+        )  # (C, levels - 1): the block of 2**(k+1) chunks ending here
+        turned = (ends[..., 1:] & ~ok).any(-1)
+    block_end = torch.where(ends.unsqueeze(-1), torch.cat([v_last, chunk.p_last], -1).unsqueeze(-2), block_end)
+    return turned, block_begin, block_end
+
+
+def _next_chunk(value_and_grad, c: NUTSChains, tree, forward, leaf, n, so_far: SubtreeSoFar, uniforms, inv, K: int,
+                multinomial: bool, max_energy_error: float):
+    """Every chain's next chunk of ``2**CHUNK_DEPTH`` leaves from ``leaf``, merged into its
+    subtree ``so_far`` (chunk ``n``); a subtree that is over is merged into ``tree``.
+    Returns ``(chains, ended, grown, steps)``: the chains after the chunk (their ``starting``
+    and ``position`` are the caller's to set), whether their tree ended with it, the tree
+    it grew into, and the chunk's leapfrog steps as Stan counts them."""
+    step = c.step_size.value
+    chunk = nuts.build_subtree(
+        value_and_grad, leaf, tree.H0, tree.log_slice, nuts.signed_step_size(step, forward), inv,
+        uniforms[..., CHUNK_DRAW], 1 << CHUNK_DEPTH, multinomial, max_energy_error,
+    )
+    log_weight = torch.logaddexp(so_far.log_weight, chunk.log_weight)
+    take = uniforms[..., CHUNK_TAKE] < torch.exp(chunk.log_weight - log_weight)
+    turned, block_begin, block_end = _blocks_turned(n, chunk, so_far.rho, inv, c.block_begin, c.block_end,
+                                                    _chunk_levels(K))
+    failed = ~chunk.valid | turned
+    merged = SubtreeSoFar(
+        rho=so_far.rho + chunk.rho, log_weight=log_weight,
+        proposal=select(take, chunk.proposal, so_far.proposal),
+        proposal_energy=torch.where(take, chunk.proposal_energy, so_far.proposal_energy),
+        n_steps=so_far.n_steps + chunk.n_steps, sum_accept=so_far.sum_accept + chunk.sum_accept,
+    )
+    D = chunk.rho.shape[-1]
+    subtree = nuts.Subtree(
+        last=chunk.last, p_first=block_begin[..., -1, D : 2 * D], p_last=chunk.p_last, rho=merged.rho,
+        log_weight=merged.log_weight, proposal=merged.proposal, proposal_energy=merged.proposal_energy,
+        n_steps=merged.n_steps, sum_accept=merged.sum_accept, diverging=chunk.diverging, valid=~failed,
+    )
+    # the subtree is over when complete (2**depth leaves) or when it turned or diverged
+    subtree_over = failed | ((n + 1) << CHUNK_DEPTH == (1 << tree.depth))
+    grown = nuts.extend_tree(tree, subtree, forward, uniforms[..., TREE_DRAW], inv, K, keep_done=False)
+    # what each chain builds next: the same subtree's next chunk, a new subtree, or (next
+    # round) a new transition
+    new_forward = uniforms[..., NEXT_DIRECTION] < 0.5
+    advanced = c._replace(
+        tree=select(subtree_over, grown, tree),
+        forward=torch.where(subtree_over, new_forward, forward),
+        leaf=select(subtree_over, nuts.subtree_start(grown, new_forward), chunk.last),
+        n_chunks=torch.where(subtree_over, torch.zeros_like(n), n + 1),
+        subtree=select(subtree_over, _no_chunks(merged.proposal, merged.proposal_energy), merged),
+        block_begin=block_begin,
+        block_end=block_end,
+    )
+    return advanced, subtree_over & grown.done, grown, chunk.n_steps
+
+
+def nuts_round(
+    value_and_grad: Callable,
+    chains: NUTSChains,
+    noise: torch.Tensor,
+    uniforms: torch.Tensor,
+    metric: Metric,
+    schedule: Schedule,
+    max_tree_depth: int,
+    multinomial: bool = True,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+    chunks: bool = True,
+):
+    """One round for every chain that is not paused. ``noise (C, D)`` and ``uniforms (C,
+    NUM_UNIFORMS)`` are this round's random numbers (the momentum and the fused start's
+    uniforms of a transition that starts here; the chunk's). Returns ``(chains, draw, done,
+    steps)``: ``draw (C, D + NUM_STATS)`` holds the finished transitions' draws and statistics
+    (:data:`pyro_hmc_plus.leafwise.STAT_COLUMNS`), valid where ``done``; ``steps`` (int64) the
+    leapfrog steps each chain used (counted as Stan counts them), for the batch utilisation.
+    ``chunks=False`` (only where no chain is continuing a tree) skips the chunk: a round of
+    transition starts only, half the work; chains whose tree outgrows its fused start build
+    their first chunk in the next round."""
+    c = chains
+    inv = metric.inverse_mass
+    K = max_tree_depth
+    KS = min(FUSED_DOUBLINGS, K)
+    active = c.draws < schedule.pause_at
+    starting = c.starting & active
+    step = c.step_size.value
+    log_slice = torch.zeros_like(step) if multinomial else uniforms[..., SLICE].log()
+    first = uniforms[..., FIRST_DOUBLINGS : FIRST_DOUBLINGS + 3 * KS].unflatten(-1, (KS, 3))
+    fresh = nuts.first_doublings(value_and_grad, c.position, noise, log_slice, first, step, metric, KS, K, multinomial,
+                                 max_energy_error)
+    done = starting & fresh.done
+    info, proposal = nuts.info(fresh), fresh.proposal
+    steps = torch.where(starting, fresh.n_steps, torch.zeros_like(fresh.n_steps))
+    if K == KS:  # every tree ends within the fused start
+        advanced = c._replace(starting=done | ~active)
+    else:
+        # chains whose tree outgrew the fused start enter their fourth doubling
+        entering = starting & ~fresh.done
+        entry_forward = uniforms[..., ENTRY_DIRECTION] < 0.5
+        tree = select(starting, fresh, c.tree)
+        forward = torch.where(entering, entry_forward, c.forward)
+        leaf = select(entering, nuts.subtree_start(fresh, entry_forward), c.leaf)
+        n = torch.where(entering, torch.zeros_like(c.n_chunks), c.n_chunks)
+        so_far = select(entering, _no_chunks(c.subtree.proposal, c.subtree.proposal_energy), c.subtree)
+        if not chunks:  # no chain was continuing a tree: those entering build their chunks from the next round
+            advanced = c._replace(starting=done | ~active, tree=tree, forward=forward, leaf=leaf, n_chunks=n,
+                                  subtree=so_far)
+        else:
+            advanced, ended, grown, chunk_steps = _next_chunk(
+                value_and_grad, c, tree, forward, leaf, n, so_far, uniforms, inv, K, multinomial, max_energy_error
+            )
+            continuing = entering | (active & ~c.starting)
+            ended = continuing & ended
+            done = done | ended
+            info = select(ended, nuts.info(grown), info)
+            proposal = select(ended, grown.proposal, proposal)
+            steps = steps + torch.where(continuing, chunk_steps, torch.zeros_like(chunk_steps))
+            advanced = advanced._replace(starting=done | ~active)
+    # the draw of a finished transition
+    draw = draw_row(proposal.z, info, step, info.n_steps, info.tree_depth)
+    draws, step_size = counted_and_adapted(c, done, info.acceptance_prob, schedule)
+    advanced = advanced._replace(position=select(done, proposal, c.position), step_size=step_size, draws=draws)
+    return advanced, draw, done, steps
