@@ -290,8 +290,24 @@ def build_subtree(
         return _one_leaf_subtree(value_and_grad, start, H0, log_slice, step_size, inverse_mass, multinomial,
                                  max_energy_error)
     leaves = leapfrog_trajectory(value_and_grad, start, step_size, inverse_mass, num_leaves)
-    batch, L = start.z.shape[:-1], num_leaves
-    inv = inverse_mass.unsqueeze(-3 if is_dense(inverse_mass, start.r) else -2)
+    return subtree_of(leaves, H0, log_slice, inverse_mass, u, num_leaves, multinomial, max_energy_error)
+
+
+def subtree_of(
+    leaves: IntegratorState,
+    H0: torch.Tensor,
+    log_slice: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    u: torch.Tensor,
+    num_leaves: int,
+    multinomial: bool = True,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+) -> Subtree:
+    """:func:`build_subtree`'s bookkeeping on its ``num_leaves`` (two or more) leapfrog
+    states ``leaves`` (stacked, :func:`~pyro_hmc_plus.integrator.stack_states`), for a caller
+    that computes them itself."""
+    batch, L = leaves.z.shape[:-2], num_leaves
+    inv = inverse_mass.unsqueeze(-3 if inverse_mass.dim() >= leaves.r.dim() else -2)  # dense: (..., D, D)
     r = leaves.r
     v = velocity(r, inv)
     H = leaves.potential_energy + kinetic_energy(r, inv)
@@ -304,7 +320,7 @@ def build_subtree(
     log_weight = _log_sum_exp(log_w, L)
     cdf = torch.exp(log_w - log_weight.unsqueeze(-1)).cumsum(-1)
     idx = (cdf < u.unsqueeze(-1)).sum(-1).clamp(max=L - 1)
-    D = start.z.shape[-1]
+    D = leaves.z.shape[-1]
     packed = torch.cat([leaves.z, leaves.grad, leaves.potential_energy.unsqueeze(-1), H.unsqueeze(-1)], -1)
     chosen = packed.gather(-2, idx.reshape(batch + (1, 1)).expand(batch + (1, 2 * D + 2))).squeeze(-2)
     z, g, U, H_chosen = chosen.split([D, D, 1, 1], -1)
@@ -516,25 +532,51 @@ def first_doublings(
     (the first doubling whose subtree turns or diverges, or whose join turns, is the last).
     The price: the steps after the tree is done are wasted, so this pays where trees usually
     reach depth ``K``. Shapes: batch ``(...)`` for ``log_slice``, ``step_size``."""
-    K = num_doublings
-    z0, U0, g0 = state
-    c = _first_doublings_constants(K, z0.device, z0.dtype)
-    inverse_mass = metric.inverse_mass
     r0 = momentum(noise, metric.momentum_scale)
-    H0 = U0 + kinetic_energy(r0, inverse_mass)
-    forward = is_forward(uniforms)  # (..., K)
-    # the leapfrog steps in build order: doubling j grows from the last leaf of the latest
-    # doubling in its direction (or from the start), with the step's sign of its direction
-    start = IntegratorState(z0, r0, U0, g0)
+    start = IntegratorState(state.z, r0, state.potential_energy, state.grad)
+    states = fused_start_states(value_and_grad, start, is_forward(uniforms), step_size, metric.inverse_mass,
+                                num_doublings)
+    return fused_start_tree(state, r0, stack_states(states), log_slice, uniforms, metric.inverse_mass, num_doublings,
+                            max_tree_depth, multinomial, max_energy_error)
+
+
+def fused_start_states(value_and_grad: Callable, start: IntegratorState, forward: torch.Tensor, step_size: torch.Tensor,
+                       inverse_mass: torch.Tensor, num_doublings: int) -> list:
+    """The ``2**K - 1`` leapfrog states of a transition's first ``K = num_doublings``
+    doublings from ``start``, in build order: doubling ``j`` grows from the last leaf of the
+    latest doubling in its direction ``forward[..., j]`` (or from the start), with the
+    step's sign of its direction. Where every direction is the same, one straight
+    trajectory."""
     states, lasts = [], []
-    for j in range(K):
+    for j in range(num_doublings):
         begin = start
         for i, last in enumerate(lasts):
             begin = select(forward[..., j] == forward[..., i], last, begin)
         signed = signed_step_size(step_size, forward[..., j])
         states += leapfrog_states(value_and_grad, begin, signed, inverse_mass, 1 << j)
         lasts.append(states[-1])
-    leaves = stack_states(states)  # (..., n, D), energies (..., n)
+    return states
+
+
+def fused_start_tree(
+    state: HMCState,
+    r0: torch.Tensor,
+    leaves: IntegratorState,
+    log_slice: torch.Tensor,
+    uniforms: torch.Tensor,
+    inverse_mass: torch.Tensor,
+    num_doublings: int,
+    max_tree_depth: int,
+    multinomial: bool = True,
+    max_energy_error: float = MAX_ENERGY_ERROR,
+) -> Tree:
+    """:func:`first_doublings`'s bookkeeping on its leaves (:func:`fused_start_states`,
+    stacked) from ``state`` with momentum ``r0``, for a caller that computes them itself."""
+    K = num_doublings
+    z0, U0, g0 = state
+    c = _first_doublings_constants(K, z0.device, z0.dtype)
+    H0 = U0 + kinetic_energy(r0, inverse_mass)
+    forward = is_forward(uniforms)  # (..., K)
     inv = inverse_mass.unsqueeze(-3 if is_dense(inverse_mass, z0) else -2)
     r, v = leaves.r, velocity(leaves.r, inv)
     H = leaves.potential_energy + 0.5 * (r * v).sum(-1)

@@ -3,25 +3,29 @@
 In a batch, a chain whose tree has stopped must not sit idle until every other chain's tree
 stops (lock-step, as ``vmap``-ed samplers do). Here each chain's transition is a small state
 machine that advances by one *round* per call of :func:`nuts_round`, for every chain at once.
-In a round, each chain that is not paused does one or both of:
+In a round, each chain that is not paused does one of:
 
 1. **start** a transition (new momentum from the round's noise) and build its first three
-   doublings, fused: :func:`pyro_hmc_plus.nuts.first_doublings` (7 leapfrog steps, then the
-   bookkeeping of the three doublings at once). Most trees of a well-adapted NUTS stop
-   there; their transition ends in this round and the chain starts its next one in the
-   next round.
+   doublings, fused, as :func:`pyro_hmc_plus.nuts.first_doublings` does (7 leapfrog steps,
+   then the bookkeeping of the three doublings at once). Most trees of a well-adapted NUTS
+   stop there; the transition ends in this round, and the chain starts its next one in the
+   next round. A tree that goes on builds its fourth doubling from the next round.
 2. **continue** a deeper tree by the next *chunk* of its current subtree: 8 leapfrog steps
-   (:func:`pyro_hmc_plus.nuts.build_subtree`, with the U-turn checks inside the chunk),
-   added to the subtree by progressive sampling (the chunk's draw replaces the subtree's
-   with probability ``w_chunk / w_subtree``, which gives the multinomial distribution of
-   Stan's recursion), with Stan's U-turn checks of the blocks of 2, 4, ... chunks that this
-   chunk completes, vectorised over the block sizes: the first and last momenta and the
-   momentum sums of the open blocks are kept as checkpoints, one row per block size (a
-   binary counter over the chunk index, as in NumPyro's iterative NUTS). A complete,
-   turned or divergent subtree is merged into the tree by
-   :func:`pyro_hmc_plus.nuts.extend_tree` (biased progressive sampling, the U-turn check
-   across the join, the stopping rule). A chain whose first doublings did not stop its tree
-   builds its fourth doubling's first chunk in the same round.
+   with the U-turn checks inside the chunk (:func:`pyro_hmc_plus.nuts.subtree_of`), added
+   to the subtree by progressive sampling (the chunk's draw replaces the subtree's with
+   probability ``w_chunk / w_subtree``, which gives the multinomial distribution of Stan's
+   recursion), with Stan's U-turn checks of the blocks of 2, 4, ... chunks that this chunk
+   completes, vectorised over the block sizes: the first and last momenta and the momentum
+   sums of the open blocks are kept as checkpoints, one row per block size (a binary
+   counter over the chunk index, as in NumPyro's iterative NUTS). A complete, turned or
+   divergent subtree is merged into the tree by :func:`pyro_hmc_plus.nuts.extend_tree`
+   (biased progressive sampling, the U-turn check across the join, the stopping rule).
+
+The round's leapfrog steps are one batched trajectory of 8 steps per chain: a starting
+chain's follow the fused start's pattern (each doubling from the end its direction says;
+its 8th step is idle), a continuing chain's go straight on from its subtree's last leaf.
+Then the bookkeeping of both kinds runs for every chain, and each chain keeps its own. While
+no chain is continuing a tree, ``chunks=False`` rounds are the fused starts alone.
 
 A chain whose transition ends emits its draw and updates its own step size by dual averaging
 (warmup). A transition is therefore exactly Stan's (same tree depth, number of steps,
@@ -33,8 +37,9 @@ Why rounds and not one leaf per call: a traced program costs about a microsecond
 operation whatever the batch size, and the bookkeeping of a leaf (its U-turn checks, the
 merge, the draw, the restart of finished chains) is hundreds of operations; fused over the
 seven leaves of a transition's first doublings (or the eight of a chunk), it is paid once per
-round instead of once per leaf. The price: a round runs both parts for every chain (each
-chain uses one or both), and the fused start's steps after a tree stops early are wasted.
+round instead of once per leaf. The price: both kinds of bookkeeping run for every chain,
+and the fused start's steps after a tree stops early are wasted (the batch utilisation
+counts them).
 
 Every function is pure and batch-shaped, with leading dimension C (chains).
 """
@@ -47,9 +52,9 @@ import torch
 
 from . import nuts
 from .hmc import MAX_ENERGY_ERROR, HMCState
-from .integrator import IntegratorState
+from .integrator import IntegratorState, leapfrog_states, stack_states
 from .leafwise import Schedule, StepSize, counted_and_adapted, draw_row
-from .metric import Metric
+from .metric import Metric, momentum
 from .nuts import select
 
 FUSED_DOUBLINGS = 3  # doublings of a transition's start, fused
@@ -102,10 +107,12 @@ class NUTSChains(NamedTuple):
 
 
 def steps_per_round(max_tree_depth: int, chunks: bool = True) -> int:
-    """Leapfrog steps of one round per chain (:func:`nuts_round`): the fused start's, and a
+    """Leapfrog steps of one round per chain (:func:`nuts_round`): the fused start's, or a
     chunk's where trees can be deeper than the fused start."""
     fused = min(FUSED_DOUBLINGS, max_tree_depth)
-    return (1 << fused) - 1 + ((1 << CHUNK_DEPTH) if chunks and max_tree_depth > fused else 0)
+    if chunks and max_tree_depth > fused:
+        return max((1 << fused) - 1, 1 << CHUNK_DEPTH)
+    return (1 << fused) - 1
 
 
 def _chunk_levels(max_tree_depth: int) -> int:
@@ -167,18 +174,16 @@ def _blocks_turned(n, chunk: nuts.Subtree, rho_before, inverse_mass, block_begin
     return turned, block_begin, block_end
 
 
-def _next_chunk(value_and_grad, c: NUTSChains, tree, forward, leaf, n, so_far: SubtreeSoFar, uniforms, inv, K: int,
-                multinomial: bool, max_energy_error: float):
-    """Every chain's next chunk of ``2**CHUNK_DEPTH`` leaves from ``leaf``, merged into its
-    subtree ``so_far`` (chunk ``n``); a subtree that is over is merged into ``tree``.
-    Returns ``(chains, ended, grown, steps)``: the chains after the chunk (their ``starting``
-    and ``position`` are the caller's to set), whether their tree ended with it, the tree
-    it grew into, and the chunk's leapfrog steps as Stan counts them."""
-    step = c.step_size.value
-    chunk = nuts.build_subtree(
-        value_and_grad, leaf, tree.H0, tree.log_slice, nuts.signed_step_size(step, forward), inv,
-        uniforms[..., CHUNK_DRAW], 1 << CHUNK_DEPTH, multinomial, max_energy_error,
-    )
+def _next_chunk(c: NUTSChains, leaves: IntegratorState, uniforms, inv, K: int, multinomial: bool,
+                max_energy_error: float):
+    """Every chain's next chunk, its ``2**CHUNK_DEPTH`` leapfrog states ``leaves`` (stacked)
+    from ``c.leaf``, merged into its subtree so far; a subtree that is over is merged into
+    the tree. Returns ``(chains, ended, grown, steps)``: the chains after the chunk (their
+    ``starting`` and ``position`` are the caller's to set), whether their tree ended with
+    it, the tree it grew into, and the chunk's leapfrog steps as Stan counts them."""
+    tree, forward, n, so_far = c.tree, c.forward, c.n_chunks, c.subtree
+    chunk = nuts.subtree_of(leaves, tree.H0, tree.log_slice, inv, uniforms[..., CHUNK_DRAW], 1 << CHUNK_DEPTH,
+                            multinomial, max_energy_error)
     log_weight = torch.logaddexp(so_far.log_weight, chunk.log_weight)
     take = uniforms[..., CHUNK_TAKE] < torch.exp(chunk.log_weight - log_weight)
     turned, block_begin, block_end = _blocks_turned(n, chunk, so_far.rho, inv, c.block_begin, c.block_end,
@@ -228,13 +233,12 @@ def nuts_round(
 ):
     """One round for every chain that is not paused. ``noise (C, D)`` and ``uniforms (C,
     NUM_UNIFORMS)`` are this round's random numbers (the momentum and the fused start's
-    uniforms of a transition that starts here; the chunk's). Returns ``(chains, draw, done,
+    uniforms of a transition that starts here; those of a chunk). Returns ``(chains, draw, done,
     steps)``: ``draw (C, D + NUM_STATS)`` holds the finished transitions' draws and statistics
     (:data:`pyro_hmc_plus.leafwise.STAT_COLUMNS`), valid where ``done``; ``steps`` (int64) the
     leapfrog steps each chain used (counted as Stan counts them), for the batch utilisation.
-    ``chunks=False`` (only where no chain is continuing a tree) skips the chunk: a round of
-    transition starts only, half the work; chains whose tree outgrows its fused start build
-    their first chunk in the next round."""
+    ``chunks=False`` (only where no chain is continuing a tree): a round of transition
+    starts only, without the chunk's step and bookkeeping."""
     c = chains
     inv = metric.inverse_mass
     K = max_tree_depth
@@ -244,36 +248,56 @@ def nuts_round(
     step = c.step_size.value
     log_slice = torch.zeros_like(step) if multinomial else uniforms[..., SLICE].log()
     first = uniforms[..., FIRST_DOUBLINGS : FIRST_DOUBLINGS + 3 * KS].unflatten(-1, (KS, 3))
-    fresh = nuts.first_doublings(value_and_grad, c.position, noise, log_slice, first, step, metric, KS, K, multinomial,
-                                 max_energy_error)
+    # the round's leapfrog steps, one batched trajectory: a starting chain's fused start
+    # (each doubling from the end its direction says), a continuing chain's next chunk
+    r0 = momentum(noise, metric.momentum_scale)
+    position = c.position
+    fresh_start = IntegratorState(position.z, r0, position.potential_energy, position.grad)
+    directions = nuts.is_forward(first)  # (C, KS)
+    with_chunks = chunks and K > KS
+    if with_chunks:
+        continuing = active & ~c.starting
+        directions = torch.where(continuing.unsqueeze(-1), c.forward.unsqueeze(-1), directions)  # straight on
+        states = nuts.fused_start_states(value_and_grad, select(continuing, c.leaf, fresh_start), directions, step,
+                                         inv, KS)
+        states += leapfrog_states(value_and_grad, states[-1], nuts.signed_step_size(step, c.forward), inv,
+                                  (1 << CHUNK_DEPTH) - len(states))
+    else:
+        states = nuts.fused_start_states(value_and_grad, fresh_start, directions, step, inv, KS)
+    leaves = stack_states(states)
+    n_start = (1 << KS) - 1
+    start_leaves = leaves if len(states) == n_start else IntegratorState(
+        leaves.z[..., :n_start, :], leaves.r[..., :n_start, :], leaves.potential_energy[..., :n_start],
+        leaves.grad[..., :n_start, :])
+    fresh = nuts.fused_start_tree(position, r0, start_leaves, log_slice, first, inv, KS, K, multinomial,
+                                  max_energy_error)
     done = starting & fresh.done
     info, proposal = nuts.info(fresh), fresh.proposal
     steps = torch.where(starting, fresh.n_steps, torch.zeros_like(fresh.n_steps))
     if K == KS:  # every tree ends within the fused start
         advanced = c._replace(starting=done | ~active)
     else:
-        # chains whose tree outgrew the fused start enter their fourth doubling
-        entering = starting & ~fresh.done
-        entry_forward = uniforms[..., ENTRY_DIRECTION] < 0.5
-        tree = select(starting, fresh, c.tree)
-        forward = torch.where(entering, entry_forward, c.forward)
-        leaf = select(entering, nuts.subtree_start(fresh, entry_forward), c.leaf)
-        n = torch.where(entering, torch.zeros_like(c.n_chunks), c.n_chunks)
-        so_far = select(entering, _no_chunks(c.subtree.proposal, c.subtree.proposal_energy), c.subtree)
-        if not chunks:  # no chain was continuing a tree: those entering build their chunks from the next round
-            advanced = c._replace(starting=done | ~active, tree=tree, forward=forward, leaf=leaf, n_chunks=n,
-                                  subtree=so_far)
-        else:
-            advanced, ended, grown, chunk_steps = _next_chunk(
-                value_and_grad, c, tree, forward, leaf, n, so_far, uniforms, inv, K, multinomial, max_energy_error
-            )
-            continuing = entering | (active & ~c.starting)
+        advanced = c
+        if with_chunks:
+            advanced, ended, grown, chunk_steps = _next_chunk(c, leaves, uniforms, inv, K, multinomial,
+                                                              max_energy_error)
             ended = continuing & ended
             done = done | ended
             info = select(ended, nuts.info(grown), info)
             proposal = select(ended, grown.proposal, proposal)
             steps = steps + torch.where(continuing, chunk_steps, torch.zeros_like(chunk_steps))
-            advanced = advanced._replace(starting=done | ~active)
+        # chains whose tree outgrew the fused start build their fourth doubling from the next round
+        entering = starting & ~fresh.done
+        entry_forward = uniforms[..., ENTRY_DIRECTION] < 0.5
+        advanced = advanced._replace(
+            starting=done | ~active,
+            tree=select(starting, fresh, advanced.tree),
+            forward=torch.where(entering, entry_forward, advanced.forward),
+            leaf=select(entering, nuts.subtree_start(fresh, entry_forward), advanced.leaf),
+            n_chunks=torch.where(entering, torch.zeros_like(advanced.n_chunks), advanced.n_chunks),
+            subtree=select(entering, _no_chunks(advanced.subtree.proposal, advanced.subtree.proposal_energy),
+                           advanced.subtree),
+        )
     # the draw of a finished transition
     draw = draw_row(proposal.z, info, step, info.n_steps, info.tree_depth)
     draws, step_size = counted_and_adapted(c, done, info.acceptance_prob, schedule)

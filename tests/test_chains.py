@@ -103,9 +103,9 @@ def test_vectorized_nuts_matches_sequential_chains_and_exact_posterior():
         assert_variance(draws, COV2.diagonal().tolist())
     bound = Z * np.sqrt(mcse_mean(a) ** 2 + mcse_mean(b) ** 2)
     assert (np.abs(a.mean(0) - b.mean(0)) <= bound).all()
-    # rounds compute both a fused start and a chunk for every chain while deep trees are under
-    # way, and a fused start's steps after its tree stopped: about half the slots do work here
-    assert 0.4 < vectorized.batch_utilisation <= 1.0
+    # idle: a starting chain's 8th step in a round with chunks, a fused start's steps after
+    # its tree stopped (most of this posterior's trees stop at depth 2 or 3)
+    assert 0.6 < vectorized.batch_utilisation <= 1.0
 
 
 def test_chains_are_independent_and_mix():
