@@ -248,29 +248,36 @@ def nuts_round(
     step = c.step_size.value
     log_slice = torch.zeros_like(step) if multinomial else uniforms[..., SLICE].log()
     first = uniforms[..., FIRST_DOUBLINGS : FIRST_DOUBLINGS + 3 * KS].unflatten(-1, (KS, 3))
-    # the round's leapfrog steps, one batched trajectory: a starting chain's fused start
-    # (each doubling from the end its direction says), a continuing chain's next chunk
-    r0 = momentum(noise, metric.momentum_scale)
-    position = c.position
-    fresh_start = IntegratorState(position.z, r0, position.potential_energy, position.grad)
-    directions = nuts.is_forward(first)  # (C, KS)
-    with_chunks = chunks and K > KS
-    if with_chunks:
-        continuing = active & ~c.starting
-        directions = torch.where(continuing.unsqueeze(-1), c.forward.unsqueeze(-1), directions)  # straight on
-        states = nuts.fused_start_states(value_and_grad, select(continuing, c.leaf, fresh_start), directions, step,
-                                         inv, KS)
-        states += leapfrog_states(value_and_grad, states[-1], nuts.signed_step_size(step, c.forward), inv,
-                                  (1 << CHUNK_DEPTH) - len(states))
+    if KS == 1:  # one doubling of one leaf: the single-chain kernel's first doubling
+        # (Static Runtime corrupts memory running the fused start's bookkeeping for a batch
+        # of chains and one doubling, torch 2.13; the traced program runs it correctly)
+        tree = nuts.init_tree(c.position, noise, log_slice, metric)
+        fresh = nuts.doubling(value_and_grad, tree, first[..., 0, :], step, inv, 1, K, multinomial, max_energy_error,
+                              keep_done=False, start=nuts.fresh_tree_end(tree))
     else:
-        states = nuts.fused_start_states(value_and_grad, fresh_start, directions, step, inv, KS)
-    leaves = stack_states(states)
-    n_start = (1 << KS) - 1
-    start_leaves = leaves if len(states) == n_start else IntegratorState(
-        leaves.z[..., :n_start, :], leaves.r[..., :n_start, :], leaves.potential_energy[..., :n_start],
-        leaves.grad[..., :n_start, :])
-    fresh = nuts.fused_start_tree(position, r0, start_leaves, log_slice, first, inv, KS, K, multinomial,
-                                  max_energy_error)
+        # the round's leapfrog steps, one batched trajectory: a starting chain's fused start
+        # (each doubling from the end its direction says), a continuing chain's next chunk
+        r0 = momentum(noise, metric.momentum_scale)
+        position = c.position
+        fresh_start = IntegratorState(position.z, r0, position.potential_energy, position.grad)
+        directions = nuts.is_forward(first)  # (C, KS)
+        with_chunks = chunks and K > KS
+        if with_chunks:
+            continuing = active & ~c.starting
+            directions = torch.where(continuing.unsqueeze(-1), c.forward.unsqueeze(-1), directions)  # straight on
+            states = nuts.fused_start_states(value_and_grad, select(continuing, c.leaf, fresh_start), directions, step,
+                                             inv, KS)
+            states += leapfrog_states(value_and_grad, states[-1], nuts.signed_step_size(step, c.forward), inv,
+                                      (1 << CHUNK_DEPTH) - len(states))
+        else:
+            states = nuts.fused_start_states(value_and_grad, fresh_start, directions, step, inv, KS)
+        leaves = stack_states(states)
+        n_start = (1 << KS) - 1
+        start_leaves = leaves if len(states) == n_start else IntegratorState(
+            leaves.z[..., :n_start, :], leaves.r[..., :n_start, :], leaves.potential_energy[..., :n_start],
+            leaves.grad[..., :n_start, :])
+        fresh = nuts.fused_start_tree(position, r0, start_leaves, log_slice, first, inv, KS, K, multinomial,
+                                      max_energy_error)
     done = starting & fresh.done
     info, proposal = nuts.info(fresh), fresh.proposal
     steps = torch.where(starting, fresh.n_steps, torch.zeros_like(fresh.n_steps))

@@ -318,3 +318,16 @@ def test_draws_are_split_by_chain_in_the_order_each_chain_made_them(monkeypatch)
     for c in range(C):
         assert torch.equal(rows.of_chain(c), torch.stack(expected[c]) if expected[c] else torch.zeros(0, D + leafwise.NUM_STATS))
     assert rows.divergences() == divergent  # asking again counts nothing twice
+
+
+@pytest.mark.parametrize("max_tree_depth", [1, 2, 4])
+def test_vectorized_nuts_at_small_depth_limits(max_tree_depth):
+    """Depth limits at and below the fused start's three doublings (every tree ends in its
+    first round; at 1, a round is one leaf: Static Runtime corrupted memory running the fused
+    start's bookkeeping for one doubling of a batch) and just above it (one chunk)."""
+    pyro.set_rng_seed(0)
+    mcmc = run(NUTS(gauss2d, max_tree_depth=max_tree_depth), num_chains=3, num_samples=200, warmup_steps=100,
+               warn_on_problems=False)
+    depth = mcmc.to_inference_data().sample_stats.tree_depth.values
+    assert depth.max() == max_tree_depth and depth.min() >= 1
+    assert torch.isfinite(mcmc.get_samples()["q"]).all()
