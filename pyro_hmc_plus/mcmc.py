@@ -5,9 +5,9 @@ one batch of flat states in this process: each compiled call advances every chai
 round (NUTS: a transition's fused start or a chunk of a deeper tree,
 :mod:`pyro_hmc_plus.rounds`; HMC: a leapfrog step, :mod:`pyro_hmc_plus.leafwise`), so one
 gradient evaluation serves all chains, no chain waits for another's trajectory, nothing is
-pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's (one chain after another in this
-process, through Pyro's own ``_gen_samples`` but without its per-draw logging; one process
-per chain).
+pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's
+(one chain after another in this process, through Pyro's own ``_gen_samples`` but without
+its per-draw logging; one process per chain).
 
 The host side of a vectorized run lives here: each chain's adaptation windows (a chain is
 paused in the compiled call when it reaches the end of a window; its metric and step size are
@@ -50,8 +50,8 @@ class MCMC(pyro.infer.MCMC):
         ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
-        run, in whole rounds of the kernel's (at least one: a NUTS round is up to 15 steps,
-        an HMC round one step, or one whole trajectory without step-size adaptation). More
+        run, in whole rounds of the kernel's (at least one: a NUTS round is 8 steps, an HMC
+        round one step, or one whole trajectory without step-size adaptation). More
         steps per call spread the host's work per call thinner but make a longer program to
         trace or compile.
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
@@ -61,9 +61,9 @@ class MCMC(pyro.infer.MCMC):
     After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
     batched gradient evaluations that did useful work: the leapfrog steps of the chains'
     transitions (as Stan counts them) over those computed. Slots are idle where a chain is
-    finished or waits for its metric update at the end of an adaptation window, and in a
-    NUTS round where a chain uses one part of the round and not the other, or its fused
-    start's steps after its tree stopped (see :mod:`pyro_hmc_plus.rounds`); :attr:`step_size`
+    finished or waits for its metric update at the end of an adaptation window, and for NUTS
+    a starting chain's 8th step in a round that also builds chunks, and the steps of a fused
+    start or chunk after the tree stopped (see :mod:`pyro_hmc_plus.rounds`); :attr:`step_size`
     ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)`` are each chain's
     adapted values (over the flat unconstrained vector, sites in sorted order).
     """
