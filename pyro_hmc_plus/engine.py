@@ -148,7 +148,8 @@ class GradientEngine:
             return self.eager_value_and_grad(z)
         if z.dim() == 1:
             return self._graph(z)
-        batch, flat_z = z.shape[:-1], z.reshape(-1, z.shape[-1])
+        flat = z.dim() == 2  # (chains, D): no reshapes (each is an operation in a program)
+        flat_z = z if flat else z.reshape(-1, z.shape[-1])
         with _compile.outside_traces():  # a recording's sizes are tensors (a new key at every call)
             n = flat_z.shape[0]
         batched = self._batched_graph(n)
@@ -157,7 +158,7 @@ class GradientEngine:
         else:
             pairs = [self._graph(zi) for zi in flat_z.unbind(0)]
             U, g = torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
-        return U.reshape(batch), g.reshape(z.shape)
+        return (U, g) if flat else (U.reshape(z.shape[:-1]), g.reshape(z.shape))
 
     @property
     def gradient_elements(self):

@@ -117,7 +117,7 @@ def steps_per_round(max_tree_depth: int, chunks: bool = True) -> int:
 
 def _chunk_levels(max_tree_depth: int) -> int:
     """Block sizes 1, 2, ... chunks up to the largest subtree, ``2**(max_tree_depth - 1)``
-    leaves (at least one row, so that shapes do not depend on the depth limit)."""
+    leaves (at least one row: the chains' state has the same fields whatever the limit)."""
     return max(1, max_tree_depth - FUSED_DOUBLINGS)
 
 
