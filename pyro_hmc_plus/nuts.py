@@ -47,6 +47,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ._compile import static_shape
 from .hmc import MAX_ENERGY_ERROR, HMCState
 from .integrator import IntegratorState, leapfrog, leapfrog_states, leapfrog_trajectory, stack_states
 from .metric import Metric, is_dense, kinetic_energy, momentum, velocity
@@ -306,7 +307,8 @@ def subtree_of(
     """:func:`build_subtree`'s bookkeeping on its ``num_leaves`` (two or more) leapfrog
     states ``leaves`` (stacked, :func:`~pyro_hmc_plus.integrator.stack_states`), for a caller
     that computes them itself."""
-    batch, L = leaves.z.shape[:-2], num_leaves
+    shape, L = static_shape(leaves.z), num_leaves
+    batch, D = shape[:-2], shape[-1]
     inv = inverse_mass.unsqueeze(-3 if inverse_mass.dim() >= leaves.r.dim() else -2)  # dense: (..., D, D)
     r = leaves.r
     v = velocity(r, inv)
@@ -320,7 +322,6 @@ def subtree_of(
     log_weight = _log_sum_exp(log_w, L)
     cdf = torch.exp(log_w - log_weight.unsqueeze(-1)).cumsum(-1)
     idx = (cdf < u.unsqueeze(-1)).sum(-1).clamp(max=L - 1)
-    D = leaves.z.shape[-1]
     packed = torch.cat([leaves.z, leaves.grad, leaves.potential_energy.unsqueeze(-1), H.unsqueeze(-1)], -1)
     chosen = packed.gather(-2, idx.reshape(batch + (1, 1)).expand(batch + (1, 2 * D + 2))).squeeze(-2)
     z, g, U, H_chosen = chosen.split([D, D, 1, 1], -1)
@@ -582,7 +583,7 @@ def fused_start_tree(
     H = leaves.potential_energy + 0.5 * (r * v).sum(-1)
     delta, log_w, divergent = leaf_weights(H, H0.unsqueeze(-1), log_slice.unsqueeze(-1), multinomial, max_energy_error)
     # the pool of states, rows z | r | v | grad | (U, H): the start, then the leaves
-    D = z0.shape[-1]
+    D = static_shape(z0)[-1]
     pool = torch.cat([
         torch.cat([z0, r0, velocity(r0, inverse_mass), g0, U0.unsqueeze(-1), H0.unsqueeze(-1)], -1).unsqueeze(-2),
         torch.cat([leaves.z, r, v, leaves.grad, leaves.potential_energy.unsqueeze(-1), H.unsqueeze(-1)], -1),
@@ -616,7 +617,7 @@ def fused_start_tree(
     # the U-turn checks across each join: the tree before doubling j, its new subtree
     pattern = (forward.to(torch.int64) * c.sizes).sum(-1)
     joins = c.joins[pattern.unsqueeze(-1)].squeeze(-2)  # (..., 4K) (a 0-d index would be read on the host)
-    rv = pool[..., D:3 * D].gather(-2, joins.unsqueeze(-1).expand(joins.shape + (2 * D,)))
+    rv = pool[..., D:3 * D].gather(-2, joins.unsqueeze(-1).expand(static_shape(joins) + (2 * D,)))
     p_near, p_far, p_first, p_last = rv[..., :D].split(K, -2)
     v_near, v_far, v_first, v_last = rv[..., D:].split(K, -2)
     seg_rho = cumulative.index_select(-2, c.segment_ends[1]) - cumulative.index_select(-2, c.segment_ends[0])
@@ -632,7 +633,7 @@ def fused_start_tree(
     chosen = torch.where(taken, drawn, torch.zeros_like(drawn)).amax(-1)  # the latest subtree taken, or the start
     ends = c.ends[(pattern * K + made.sum(-1) - 1).unsqueeze(-1)].squeeze(-2)  # (..., 2)
     rows = torch.cat([chosen.unsqueeze(-1), ends], -1)  # the draw, the backward end, the forward end
-    picked = pool.gather(-2, rows.unsqueeze(-1).expand(rows.shape + (4 * D + 2,)))
+    picked = pool.gather(-2, rows.unsqueeze(-1).expand(static_shape(rows) + (4 * D + 2,)))
     z, r_picked, _, grad, U, H_picked = picked.split([D, D, D, D, 1, 1], -1)
     return Tree(
         ends=IntegratorState(z[..., 1:, :], r_picked[..., 1:, :], U[..., 1:, 0], grad[..., 1:, :]),

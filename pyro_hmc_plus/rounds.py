@@ -51,6 +51,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from . import nuts
+from ._compile import static_shape
 from .hmc import MAX_ENERGY_ERROR, HMCState
 from .integrator import IntegratorState, leapfrog_states, stack_states
 from .leafwise import Schedule, StepSize, counted_and_adapted, draw_row
@@ -154,7 +155,7 @@ def _blocks_turned(n, chunk: nuts.Subtree, rho_before, inverse_mass, block_begin
     2, 4, ... chunks that chunk ``n`` completes, from the checkpoints of the open blocks
     (``levels`` rows, block sizes ``2**k`` chunks, passed: a recording would follow a shape);
     returns ``(turned, block_begin, block_end)`` with the checkpoints updated."""
-    D = chunk.rho.shape[-1]
+    D = static_shape(chunk.rho)[-1]
     v_first, v_last = nuts._velocities(torch.stack([chunk.p_first, chunk.p_last], -2), inverse_mass).unbind(-2)
     begins, ends = _level_masks(n, levels)
     here = torch.cat([v_first, chunk.p_first, rho_before], -1).unsqueeze(-2)
@@ -195,7 +196,7 @@ def _next_chunk(c: NUTSChains, leaves: IntegratorState, uniforms, inv, K: int, m
         proposal_energy=torch.where(take, chunk.proposal_energy, so_far.proposal_energy),
         n_steps=so_far.n_steps + chunk.n_steps, sum_accept=so_far.sum_accept + chunk.sum_accept,
     )
-    D = chunk.rho.shape[-1]
+    D = static_shape(chunk.rho)[-1]
     subtree = nuts.Subtree(
         last=chunk.last, p_first=block_begin[..., -1, D : 2 * D], p_last=chunk.p_last, rho=merged.rho,
         log_weight=merged.log_weight, proposal=merged.proposal, proposal_energy=merged.proposal_energy,

@@ -215,3 +215,19 @@ def test_a_batched_gradient_is_recorded_once_per_batch_size(monkeypatch):
     U, g = program(z)
     assert recorded == [(2, 3)]
     assert torch.allclose(U, 0.5 * (0.9 * z).pow(2).sum(-1)) and torch.allclose(g, 0.9 * z)
+
+
+def test_static_shape_reads_numbers_inside_a_recording():
+    """Sizes read with ``static_shape`` are constants of a recorded program, not operations
+    on recorded sizes (which a program would run at every call)."""
+
+    def fn(x):
+        d = _compile.static_shape(x)[-1]
+        return (x.reshape(-1, d) * d,)
+
+    recorded = torch.jit.trace(fn, (torch.randn(2, 3),))
+    kinds = {node.kind() for node in recorded.graph.nodes()}
+    assert not kinds & {"aten::size", "prim::NumToTensor", "aten::Int"}
+    assert torch.equal(recorded(torch.ones(2, 3))[0], torch.full((2, 3), 3.0))
+    plain = torch.jit.trace(lambda x: (x.reshape(-1, x.shape[-1]) * x.shape[-1],), (torch.randn(2, 3),))
+    assert "aten::size" in {node.kind() for node in plain.graph.nodes()}  # what it avoids
