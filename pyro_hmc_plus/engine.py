@@ -150,9 +150,8 @@ class GradientEngine:
             return self._graph(z)
         flat = z.dim() == 2  # (chains, D): no reshapes (each is an operation in a program)
         flat_z = z if flat else z.reshape(-1, z.shape[-1])
-        with _compile.outside_traces():  # a recording's sizes are tensors (a new key at every call)
-            n = flat_z.shape[0]
-        batched = self._batched_graph(n)
+        # the batch size as a number: in a recording a size is a tensor (a new key at every call)
+        batched = self._batched_graph(_compile.static_shape(flat_z)[0])
         if batched is not None:
             U, g = batched(flat_z)
         else:

@@ -50,7 +50,7 @@ import torch
 from ._compile import static_shape
 from .hmc import MAX_ENERGY_ERROR, HMCState
 from .integrator import IntegratorState, leapfrog, leapfrog_states, leapfrog_trajectory, stack_states
-from .metric import Metric, is_dense, kinetic_energy, momentum, velocity
+from .metric import Metric, kinetic_energy, momentum, velocity
 
 
 class Tree(NamedTuple):
@@ -309,7 +309,7 @@ def subtree_of(
     that computes them itself."""
     shape, L = static_shape(leaves.z), num_leaves
     batch, D = shape[:-2], shape[-1]
-    inv = inverse_mass.unsqueeze(-3 if inverse_mass.dim() >= leaves.r.dim() else -2)  # dense: (..., D, D)
+    inv = _for_stack(inverse_mass, leaves.r)
     r = leaves.r
     v = velocity(r, inv)
     H = leaves.potential_energy + kinetic_energy(r, inv)
@@ -341,10 +341,15 @@ def subtree_of(
     )
 
 
+def _for_stack(inverse_mass: torch.Tensor, stack: torch.Tensor) -> torch.Tensor:
+    """The inverse mass matrix (diagonal ``(..., D)`` or dense ``(..., D, D)``, one per
+    chain) broadcast against a stack of momenta ``(..., k, D)``."""
+    return inverse_mass.unsqueeze(-3 if inverse_mass.dim() >= stack.dim() else -2)
+
+
 def _velocities(momenta: torch.Tensor, inverse_mass: torch.Tensor) -> torch.Tensor:
     """``M^{-1} p`` for a stack of momenta ``(..., k, D)`` under one metric per chain."""
-    dense = inverse_mass.dim() > momenta.dim() - 1
-    return velocity(momenta, inverse_mass.unsqueeze(-3 if dense else -2))
+    return velocity(momenta, _for_stack(inverse_mass, momenta))
 
 
 def merge_subtrees(first: Subtree, second: Subtree, u: torch.Tensor, inverse_mass: torch.Tensor) -> Subtree:
@@ -578,7 +583,7 @@ def fused_start_tree(
     c = _first_doublings_constants(K, z0.device, z0.dtype)
     H0 = U0 + kinetic_energy(r0, inverse_mass)
     forward = is_forward(uniforms)  # (..., K)
-    inv = inverse_mass.unsqueeze(-3 if is_dense(inverse_mass, z0) else -2)
+    inv = _for_stack(inverse_mass, leaves.r)
     r, v = leaves.r, velocity(leaves.r, inv)
     H = leaves.potential_energy + 0.5 * (r * v).sum(-1)
     delta, log_w, divergent = leaf_weights(H, H0.unsqueeze(-1), log_slice.unsqueeze(-1), multinomial, max_energy_error)
