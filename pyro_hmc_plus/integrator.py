@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from ._compile import static_shape
 from .metric import is_dense, velocity
 
 
@@ -79,6 +80,18 @@ def stack_states(states: list) -> IntegratorState:
         torch.stack([s.potential_energy for s in states], -1),
         torch.stack([s.grad for s in states], -2),
     )
+
+
+def state_at(states: list, index: torch.Tensor) -> IntegratorState:
+    """State ``index[b]`` of ``states`` (a list of states of batch shape ``(B,)``) for each
+    ``b``: where each of a batch of trajectories is, from one batched run of steps. One
+    gather of the states packed side by side (a ``where`` per state and field would cost
+    ``4 * len(states)`` operations in a traced program)."""
+    D = static_shape(states[0].z)[-1]
+    packed = torch.stack([torch.cat([s.z, s.r, s.grad, s.potential_energy.unsqueeze(-1)], -1) for s in states])
+    picked = packed.gather(0, index.unsqueeze(0).unsqueeze(-1).expand((1,) + static_shape(index) + (3 * D + 1,))).squeeze(0)
+    z, r, g, U = picked.split([D, D, D, 1], -1)
+    return IntegratorState(z, r, U.squeeze(-1), g)
 
 
 def _steps(value_and_grad, state, step_size, inverse_mass, num_steps, every_state=True):

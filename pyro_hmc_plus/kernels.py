@@ -14,7 +14,7 @@ import torch
 from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
-from . import adaptation, leafwise, nuts, potential, rounds
+from . import adaptation, chain_batch, nuts, potential, rounds
 from .engine import GradientEngine, is_numerical_failure
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
 from .integrator import IntegratorState, leapfrog
@@ -542,16 +542,16 @@ class HMC(MCMCKernel):
 
     # ------------------------------------------------------------------ many chains at once
     # (pyro_hmc_plus.MCMC's vectorized runs: every chain advances one round per call, for HMC
-    # one leapfrog step or a whole fixed-length transition, for NUTS see rounds.nuts_round)
-    def _chains_init(self, state: HMCState, metric: Metric, step_size: leafwise.StepSize):
-        return leafwise.hmc_init(state, metric, step_size)
+    # 8 leapfrog steps or a whole fixed-length transition, for NUTS see rounds.nuts_round)
+    def _chains_init(self, state: HMCState, metric: Metric, step_size: chain_batch.StepSize):
+        return chain_batch.hmc_init(state, metric, step_size)
 
     def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):
         """One round for every chain: ``(chains, draw, done, steps)``. ``chunks`` is NUTS's
         choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
         if self._fixed_trajectories():
-            return leafwise.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
-        return leafwise.hmc_advance(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length)
+            return chain_batch.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
+        return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length)
 
     def _fixed_trajectories(self) -> bool:
         """Every chain's trajectory has the same, short length (no step-size adaptation): a
@@ -565,9 +565,9 @@ class HMC(MCMCKernel):
 
     def _steps_per_round(self, chunks: bool = True) -> int:
         """Leapfrog steps per chain in one round of :meth:`_chains_advance`."""
-        return self.num_steps if self._fixed_trajectories() else 1
+        return self.num_steps if self._fixed_trajectories() else chain_batch.ROUND_STEPS
 
-    _chains_uniforms = leafwise.NUM_UNIFORMS  # per chain and round
+    _chains_uniforms = chain_batch.NUM_UNIFORMS  # per chain and round
 
     def _chains_settings(self) -> tuple:
         """What the batched program depends on besides its inputs' shapes."""
@@ -873,7 +873,7 @@ class NUTS(HMC):
         return self._tensor_program(("nuts_extend",), extend, tree, subtree, rands, inverse_mass)
 
     # ------------------------------------------------------------------ many chains at once
-    def _chains_init(self, state: HMCState, metric: Metric, step_size: leafwise.StepSize):
+    def _chains_init(self, state: HMCState, metric: Metric, step_size: chain_batch.StepSize):
         return rounds.nuts_init(state, metric, step_size, self.max_tree_depth)
 
     def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):

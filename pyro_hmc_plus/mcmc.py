@@ -3,7 +3,8 @@
 ``chain_method="vectorized"`` (the default for this package's kernels) keeps every chain in
 one batch of flat states in this process: each compiled call advances every chain by one
 round (NUTS: a transition's fused start or a chunk of a deeper tree,
-:mod:`pyro_hmc_plus.rounds`; HMC: a leapfrog step, :mod:`pyro_hmc_plus.leafwise`), so one
+:mod:`pyro_hmc_plus.rounds`; HMC: 8 leapfrog steps of its trajectory,
+:mod:`pyro_hmc_plus.chain_batch`), so one
 gradient evaluation serves all chains, no chain waits for another's trajectory, nothing is
 pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's
 (one chain after another in this process, through Pyro's own ``_gen_samples`` but without
@@ -28,7 +29,7 @@ import torch
 from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _UnarySampler
 from tqdm.auto import tqdm
 
-from . import adaptation, leafwise
+from . import adaptation, chain_batch
 from .hmc import HMCState
 from .engine import is_numerical_failure
 from .inference_data import diagnose, summary_table, to_inference_data
@@ -51,7 +52,7 @@ class MCMC(pyro.infer.MCMC):
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
         run, in whole rounds of the kernel's (at least one: a NUTS round is 8 steps, an HMC
-        round one step, or one whole trajectory without step-size adaptation). More
+        round 8 steps, or one whole trajectory without step-size adaptation). More
         steps per call spread the host's work per call thinner but make a longer program to
         trace or compile.
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
@@ -63,7 +64,8 @@ class MCMC(pyro.infer.MCMC):
     transitions (as Stan counts them) over those computed. Slots are idle where a chain is
     finished or waits for its metric update at the end of an adaptation window, and for NUTS
     a starting chain's 8th step in a round that also builds chunks, and the steps of a fused
-    start or chunk after the tree stopped (see :mod:`pyro_hmc_plus.rounds`); :attr:`step_size`
+    start or chunk after the tree stopped (see :mod:`pyro_hmc_plus.rounds`), for HMC the steps
+    of a round after the chain's trajectory ended (:mod:`pyro_hmc_plus.chain_batch`); :attr:`step_size`
     ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)`` are each chain's
     adapted values (over the flat unconstrained vector, sites in sorted order).
     """
@@ -173,7 +175,7 @@ class MCMC(pyro.infer.MCMC):
             post = r[W:]
             self._diagnostics[chain] = {
                 "divergences": [i for i, d in enumerate(stats["diverging"][W:]) if d],
-                "acceptance rate": post[:, D + leafwise.STAT_COLUMNS.index("accepted")].double().mean().item()
+                "acceptance rate": post[:, D + chain_batch.STAT_COLUMNS.index("accepted")].double().mean().item()
                 if len(post) else float("nan"),
                 "sample_stats": stats,
             }
@@ -277,9 +279,9 @@ class _VectorizedRun:
         if k.adapt_step_size and self.W > 0:
             step = torch.stack([torch.tensor(self._reasonable_step_size(state, c, k._init_step_size)) for c in range(self.C)])
             step = step.to(dtype=flat.dtype, device=flat.device)
-        self.chains = k._chains_init(state, self.metric, leafwise.StepSize.start(step))
+        self.chains = k._chains_init(state, self.metric, chain_batch.StepSize.start(step))
         like = torch.ones_like(step)
-        self.schedule = leafwise.Schedule(
+        self.schedule = chain_batch.Schedule(
             pause_at=torch.tensor([self._next_pause(0)] * self.C, device=flat.device),
             adapt_until=torch.full((self.C,), self.W if k.adapt_step_size else 0, device=flat.device),
             target_accept=like * k.target_accept_prob,
@@ -374,13 +376,13 @@ class _VectorizedRun:
             eps = self._reasonable_step_size(self.chains.position, c, self.chains.step_size.value[c].item())
             step = self.chains.step_size
             this_chain = torch.arange(self.C, device=step.value.device) == c
-            fresh = leafwise.StepSize.start(torch.full_like(step.value, eps))
+            fresh = chain_batch.StepSize.start(torch.full_like(step.value, eps))
             self.chains = self.chains._replace(step_size=select(this_chain, fresh, step))
 
     # ------------------------------------------------------------------ the run
     def sample(self, args, kwargs, initial, hook, disable_progbar) -> List[torch.Tensor]:
         """Run every chain to its ``warmup_steps + num_samples`` draws (or until interrupted);
-        returns each chain's rows ``(draws, D + NUM_STATS)`` (:data:`leafwise.STAT_COLUMNS`).
+        returns each chain's rows ``(draws, D + NUM_STATS)`` (:data:`chain_batch.STAT_COLUMNS`).
 
         Between calls the chains' state stays the program's flat list of tensors, and each
         call's draws stay in its ``(T, C, D + NUM_STATS)`` block until a chain's rows are
@@ -395,7 +397,7 @@ class _VectorizedRun:
         z = self.chains.position.z
         structure, leaves, fixed = self._flat_inputs()
         n = len(leaves)
-        rows = _Rows(C, self.W, z.new_zeros(0, self.D + leafwise.NUM_STATS))
+        rows = _Rows(C, self.W, z.new_zeros(0, self.D + chain_batch.NUM_STATS))
         counts = [0] * C
         pause_at = self.schedule.pause_at.tolist()
         slots, useful = 0, torch.zeros((), dtype=torch.int64)  # steps that did work, summed without host reads
@@ -484,7 +486,7 @@ class _VectorizedRun:
     def statistics(self, rows: torch.Tensor) -> dict:
         """One chain's per-draw statistics, with the kernel's (Stan's) names, as lists."""
         k, D = self.kernel, self.D
-        cols = {name: rows[:, D + i] for i, name in enumerate(leafwise.STAT_COLUMNS)}
+        cols = {name: rows[:, D + i] for i, name in enumerate(chain_batch.STAT_COLUMNS)}
         stats = {
             "lp": (-cols["potential_energy"]).tolist(),
             "energy": cols["energy"].tolist(),
@@ -512,7 +514,7 @@ class _Rows:
     def __init__(self, num_chains: int, warmup_steps: int, no_rows: torch.Tensor):
         self.W = warmup_steps
         self.no_rows = no_rows  # ``(0, D + NUM_STATS)``: a chain's rows before its first draw
-        self.diverging_column = no_rows.shape[1] - leafwise.NUM_STATS + leafwise.STAT_COLUMNS.index("diverging")
+        self.diverging_column = no_rows.shape[1] - chain_batch.NUM_STATS + chain_batch.STAT_COLUMNS.index("diverging")
         self.chunks = [[] for _ in range(num_chains)]
         self.made = [0] * num_chains  # rows in each chain's chunks
         self.post_warmup_divergences = 0

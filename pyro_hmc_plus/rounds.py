@@ -54,7 +54,7 @@ from . import nuts
 from ._compile import static_shape
 from .hmc import MAX_ENERGY_ERROR, HMCState
 from .integrator import IntegratorState, leapfrog_states, stack_states
-from .leafwise import Schedule, StepSize, counted_and_adapted, draw_row
+from .chain_batch import Schedule, StepSize, counted_and_adapted, draw_row
 from .metric import Metric, momentum
 from .nuts import select
 
@@ -236,7 +236,7 @@ def nuts_round(
     NUM_UNIFORMS)`` are this round's random numbers (the momentum and the fused start's
     uniforms of a transition that starts here; those of a chunk). Returns ``(chains, draw, done,
     steps)``: ``draw (C, D + NUM_STATS)`` holds the finished transitions' draws and statistics
-    (:data:`pyro_hmc_plus.leafwise.STAT_COLUMNS`), valid where ``done``; ``steps`` (int64) the
+    (:data:`pyro_hmc_plus.chain_batch.STAT_COLUMNS`), valid where ``done``; ``steps`` (int64) the
     leapfrog steps each chain used (counted as Stan counts them), for the batch utilisation.
     ``chunks=False`` (only where no chain is continuing a tree): a round of transition
     starts only, without the chunk's step and bookkeeping."""

@@ -2,17 +2,21 @@
 (pyro_hmc_plus.rounds) against Stan's recursion, and pyro_hmc_plus.MCMC's vectorized runs
 against exact posteriors and against sequential chains (MCSE tolerances, fixed seeds)."""
 
+import functools
 import math
 
 import arviz as az
 import numpy as np
 import pyro
 import pyro.distributions as dist
+import functools
+
 import pytest
 import torch
 
-from pyro_hmc_plus import HMC, MCMC, NUTS, leafwise, rounds
-from pyro_hmc_plus.hmc import HMCState
+from pyro_hmc_plus import HMC, MCMC, NUTS, chain_batch, rounds
+from pyro_hmc_plus.hmc import HMCState, hmc_step
+from pyro_hmc_plus.integrator import leapfrog
 from pyro_hmc_plus.metric import make_metric
 
 from helpers import Z, assert_mean, assert_variance, mcse_mean
@@ -61,9 +65,9 @@ def test_round_transitions_match_stan_recursion(step_size):
     flags = torch.rand(C, K) < 0.5
     direction = torch.where(flags, 0.25, 0.75).to(torch.float64)  # a uniform below 0.5 is forward
     eps = torch.full((C,), step_size, dtype=torch.float64)
-    chains = rounds.nuts_init(HMCState(z, *value_and_grad(z)), metric, leafwise.StepSize.start(eps), K)
+    chains = rounds.nuts_init(HMCState(z, *value_and_grad(z)), metric, chain_batch.StepSize.start(eps), K)
     like = torch.ones_like(eps)
-    schedule = leafwise.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
+    schedule = chain_batch.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
                                  1e-10 * like, 1e10 * like)
     first_draw, steps_used, chunks = {}, torch.zeros(C, dtype=torch.int64), False
     while len(first_draw) < C:
@@ -80,12 +84,56 @@ def test_round_transitions_match_stan_recursion(step_size):
         steps_used += steps
         for c in done.nonzero().flatten().tolist():
             first_draw[c] = draw[c]
-    col = {name: D + i for i, name in enumerate(leafwise.STAT_COLUMNS)}
+    col = {name: D + i for i, name in enumerate(chain_batch.STAT_COLUMNS)}
     for c in range(C):
         expected = stan_tree(z[c], noise[c] * inv_mass.rsqrt(), step_size, inv_mass, flags[c].tolist(), K)
         d = first_draw[c]
         assert (int(d[col["tree_depth"]]), int(d[col["n_steps"]]), bool(d[col["diverging"]])) == expected
         assert steps_used[c] == int(d[col["n_steps"]])
+
+
+def test_hmc_round_transitions_match_one_chain_transitions():
+    """Chains whose trajectories take 1 to 40 leapfrog steps, advanced by rounds of 8 steps:
+    each chain's first transition is the single-chain transition (:func:`hmc.hmc_step`) with
+    its number of steps from the same point, momentum and Metropolis uniform (its end taken
+    from the step inside the round where the trajectory is complete), and the steps the
+    rounds report add up to it."""
+    torch.manual_seed(3)
+    C, D = 40, 3
+
+    def value_and_grad(z):
+        return 0.5 * ((z @ PREC) * z).sum(-1), z @ PREC
+
+    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    metric = make_metric(inv_mass.expand(C, D).clone(), dense=False)
+    z = torch.randn(C, D, dtype=torch.float64)
+    noise = torch.randn(C, D, dtype=torch.float64)
+    uniforms = torch.rand(C, chain_batch.NUM_UNIFORMS, dtype=torch.float64)
+    trajectory_length = 2.0
+    eps = trajectory_length / (torch.arange(1, C + 1, dtype=torch.float64) + 0.5)  # 1 to C steps
+    chains = chain_batch.hmc_init(HMCState(z, *value_and_grad(z)), metric, chain_batch.StepSize.start(eps))
+    like = torch.ones_like(eps)
+    schedule = chain_batch.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
+                                 1e-10 * like, 1e10 * like)
+    first_draw, steps_used = {}, torch.zeros(C, dtype=torch.int64)
+    while len(first_draw) < C:
+        chains, draw, done, steps = chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
+                                                       trajectory_length)
+        assert (chains.draws <= 1).all()  # paused after one draw
+        steps_used += steps
+        for c in done.nonzero().flatten().tolist():
+            first_draw[c] = draw[c]
+    col = {name: D + i for i, name in enumerate(chain_batch.STAT_COLUMNS)}
+    for c in range(C):
+        L = c + 1
+        state = HMCState(z[c], *value_and_grad(z[c]))
+        integrate = functools.partial(leapfrog, value_and_grad, num_steps=L)
+        moved, info = hmc_step(lambda s, e, m: integrate(s, e, m), state, noise[c], uniforms[c, 0].log(), eps[c],
+                               make_metric(inv_mass, dense=False))
+        d = first_draw[c]
+        torch.testing.assert_close(d[:D], moved.z)
+        assert d[col["acceptance_rate"]].item() == pytest.approx(info.acceptance_prob.item(), rel=1e-9, abs=1e-12)
+        assert (int(d[col["n_steps"]]), int(steps_used[c])) == (L, L)
 
 
 # ---------------------------------------------------------------------------- MCMC, vectorized
@@ -297,12 +345,12 @@ def test_draws_are_split_by_chain_in_the_order_each_chain_made_them(monkeypatch)
 
     monkeypatch.setattr(_Rows, "FLUSH_EVERY", 3)
     D, C, T, W = 1, 3, 2, 2
-    div = D + leafwise.STAT_COLUMNS.index("diverging")
-    rows = _Rows(C, W, torch.zeros(0, D + leafwise.NUM_STATS))
+    div = D + chain_batch.STAT_COLUMNS.index("diverging")
+    rows = _Rows(C, W, torch.zeros(0, D + chain_batch.NUM_STATS))
     gen = torch.Generator().manual_seed(0)
     expected = [[] for _ in range(C)]
     for call in range(7):
-        draws = torch.zeros(T, C, D + leafwise.NUM_STATS)
+        draws = torch.zeros(T, C, D + chain_batch.NUM_STATS)
         done = torch.rand(T, C, generator=gen) < 0.6
         for t in range(T):
             for c in range(C):
@@ -316,7 +364,7 @@ def test_draws_are_split_by_chain_in_the_order_each_chain_made_them(monkeypatch)
     divergent = sum(int(r[div]) for e in expected for r in e[W:])
     assert rows.divergences() == divergent > 0
     for c in range(C):
-        assert torch.equal(rows.of_chain(c), torch.stack(expected[c]) if expected[c] else torch.zeros(0, D + leafwise.NUM_STATS))
+        assert torch.equal(rows.of_chain(c), torch.stack(expected[c]) if expected[c] else torch.zeros(0, D + chain_batch.NUM_STATS))
     assert rows.divergences() == divergent  # asking again counts nothing twice
 
 

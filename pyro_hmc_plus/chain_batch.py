@@ -1,16 +1,21 @@
-"""Static-length HMC for a batch of chains, one leapfrog step at a time, and what the
-batched samplers share (per-chain step sizes and their adaptation, the draw record).
+"""A batch of chains: what the batched samplers share (per-chain settings, step sizes and
+their adaptation, the draw record), and static-length HMC for a batch, in rounds.
 
 In a batch whose chains adapt their own step sizes, trajectories of ``trajectory_length``
 have as many steps as each chain's step size says. Run as whole trajectories, the batch
 would wait for its longest one at every draw (lock-step, as ``vmap``-ed samplers do). Here
-each chain's trajectory advances by exactly one leapfrog step per call of
-:func:`hmc_advance`, for every chain at once; a chain whose trajectory has its
-``num_steps = trajectory_length / step_size`` steps makes the Metropolis test, emits its
-draw, updates its own step size by dual averaging (warmup), and starts its next trajectory
-in the next call. When every trajectory has the same fixed length (no step-size
-adaptation), :func:`hmc_transitions` runs whole transitions per call instead, fused. NUTS
-for a batch of chains is :mod:`pyro_hmc_plus.rounds`.
+each chain's trajectory advances by a *round* of ``ROUND_STEPS`` leapfrog steps per call of
+:func:`hmc_round`, for every chain at once; a chain whose trajectory has its ``num_steps =
+trajectory_length / step_size`` steps inside the round takes its end from the step where
+they are complete, makes the Metropolis test, emits its draw, updates its own step size by
+dual averaging (warmup), and starts its next trajectory in the next round. The steps a round
+computes for a chain after its trajectory ended are wasted (the batch utilisation counts
+them); the bookkeeping (the Metropolis test, the draw, the adaptation, the restart: ~110
+operations) is paid once per round instead of once per step, which is what costs on a CPU,
+where a traced program's operations cost about a microsecond each whatever the batch size.
+When every trajectory has the same fixed length (no step-size adaptation),
+:func:`hmc_transitions` runs whole transitions per call instead, fused. NUTS for a batch of
+chains is :mod:`pyro_hmc_plus.rounds`.
 
 Chains that are *paused* (waiting for the host to update their metric at the end of an
 adaptation window, or finished) keep their state unchanged. Every function is pure and
@@ -27,7 +32,7 @@ import torch
 from .nuts import select
 from .adaptation import DualAveragingState, dual_averaging_init, dual_averaging_update
 from .hmc import MAX_ENERGY_ERROR, HMCState, hmc_step, metropolis
-from .integrator import IntegratorState, leapfrog
+from .integrator import IntegratorState, leapfrog, leapfrog_states, state_at
 from .metric import Metric, kinetic_energy, momentum
 
 # Columns of the per-call draw record ``(C, D + NUM_STATS)``: the draw ``z`` then these.
@@ -84,9 +89,11 @@ def counted_and_adapted(chains, done, accept_prob, schedule: Schedule):
     return draws, _adapted(chains.step_size, accept_prob, adapt, draws == schedule.adapt_until, schedule)
 
 
-# Columns of a call's ``uniforms (C, NUM_UNIFORMS)``: the Metropolis test's.
+# Columns of a round's ``uniforms (C, NUM_UNIFORMS)``: the Metropolis test's.
 METROPOLIS = 0
 NUM_UNIFORMS = 1
+
+ROUND_STEPS = 8  # leapfrog steps per chain in a round of :func:`hmc_round`
 
 
 class HMCChains(NamedTuple):
@@ -119,7 +126,7 @@ def hmc_init(state: HMCState, metric: Metric, step_size: StepSize) -> HMCChains:
     return HMCChains(state, torch.ones_like(zeros, dtype=torch.bool), leaf, H0, zeros, step_size, zeros.clone())
 
 
-def hmc_advance(
+def hmc_round(
     value_and_grad: Callable,
     chains: HMCChains,
     noise: torch.Tensor,
@@ -127,22 +134,29 @@ def hmc_advance(
     metric: Metric,
     schedule: Schedule,
     trajectory_length: float,
+    round_steps: int = ROUND_STEPS,
     max_energy_error: float = MAX_ENERGY_ERROR,
 ):
-    """One leapfrog step for every chain that is not paused (a chain starting a trajectory
-    draws its momentum from ``noise``); a chain whose trajectory has its ``num_steps`` steps
-    makes the Metropolis test (``uniforms[:, METROPOLIS]``) and emits its draw. Returns
-    ``(chains, draw, done, steps)``: ``draw (C, D + NUM_STATS)`` holds the finished
-    transitions' draws and statistics (:data:`STAT_COLUMNS`), valid where ``done``;
-    ``steps`` (int64) the leapfrog steps each chain made, for the batch utilisation."""
+    """One round for every chain that is not paused: ``round_steps`` leapfrog steps of its
+    trajectory (a chain starting one draws its momentum from ``noise``). A chain whose
+    trajectory has its ``num_steps`` steps inside the round takes its end from the step
+    where they are complete (the round's later steps are wasted on it), makes the
+    Metropolis test (``uniforms[:, METROPOLIS]``) and emits its draw; the others carry
+    their last step to the next round. Returns ``(chains, draw, done, steps)``: ``draw
+    (C, D + NUM_STATS)`` holds the finished transitions' draws and statistics
+    (:data:`STAT_COLUMNS`), valid where ``done``; ``steps`` (int64) the leapfrog steps that
+    belong to trajectories, for the batch utilisation."""
     c = chains
     active = c.draws < schedule.pause_at
     fresh = _start_trajectories(c.position, noise, metric)
     start, H0 = select(c.starting, fresh, (c.leaf, c.H0))
-    n_steps = torch.where(c.starting, torch.zeros_like(c.n_steps), c.n_steps) + 1
-    leaf = leapfrog(value_and_grad, start, c.step_size.value, metric.inverse_mass, 1)
-    num_steps = _trajectory_steps(c.step_size.value, trajectory_length)
-    done = active & (n_steps >= num_steps)
+    taken_before = torch.where(c.starting, torch.zeros_like(c.n_steps), c.n_steps)
+    remaining = _trajectory_steps(c.step_size.value, trajectory_length) - taken_before
+    taken = remaining.clamp(max=round_steps)
+    leaves = leapfrog_states(value_and_grad, start, c.step_size.value, metric.inverse_mass, round_steps)
+    leaf = state_at(leaves, taken - 1)
+    done = active & (remaining <= round_steps)
+    n_steps = taken_before + taken
     moved, info = metropolis(c.position, H0, leaf, uniforms[..., METROPOLIS].log(), metric, max_energy_error)
     draw = draw_row(moved.z, info, c.step_size.value, n_steps, torch.zeros_like(n_steps))
     draws, step_size = counted_and_adapted(c, done, info.acceptance_prob, schedule)
@@ -156,7 +170,7 @@ def hmc_advance(
         step_size=step_size,
         draws=draws,
     )
-    return advanced, draw, done, active.to(torch.int64)
+    return advanced, draw, done, taken * active
 
 
 def hmc_transitions(
@@ -172,7 +186,7 @@ def hmc_transitions(
     """A whole trajectory of ``num_steps`` fused leapfrog steps for every chain that is not
     paused, when all chains' trajectories have that length (the step size is not adapted):
     then running them together wastes nothing, and the per-step bookkeeping of
-    :func:`hmc_advance` is not needed. Same arguments and results as :func:`hmc_advance`."""
+    :func:`hmc_advance` is not needed. Same arguments and results as :func:`hmc_round`."""
     c = chains
     active = c.draws < schedule.pause_at
 
