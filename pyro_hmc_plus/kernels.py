@@ -551,7 +551,8 @@ class HMC(MCMCKernel):
         choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
         if self._fixed_trajectories():
             return chain_batch.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
-        return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length)
+        return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length,
+                                     self._steps_per_round())
 
     def _fixed_trajectories(self) -> bool:
         """Every chain's trajectory has the same, short length (no step-size adaptation): a
@@ -564,14 +565,15 @@ class HMC(MCMCKernel):
         return torch.zeros_like(chains.draws, dtype=torch.bool)
 
     def _steps_per_round(self, chunks: bool = True) -> int:
-        """Leapfrog steps per chain in one round of :meth:`_chains_advance`."""
-        return self.num_steps if self._fixed_trajectories() else chain_batch.ROUND_STEPS
+        """Leapfrog steps per chain in one round of :meth:`_chains_advance` (HMC: a whole
+        fixed-length trajectory, else :data:`chain_batch.ROUND_STEPS`, at most ``max_unroll``)."""
+        return self.num_steps if self._fixed_trajectories() else min(chain_batch.ROUND_STEPS, self.max_unroll)
 
     _chains_uniforms = chain_batch.NUM_UNIFORMS  # per chain and round
 
     def _chains_settings(self) -> tuple:
         """What the batched program depends on besides its inputs' shapes."""
-        return (self.trajectory_length, self._fixed_trajectories())
+        return (self.trajectory_length, self._fixed_trajectories(), self._steps_per_round())
 
     def _integrate(self, start: IntegratorState, step_size, inverse_mass, num_steps=None) -> IntegratorState:
         """``num_steps`` leapfrog steps as a few fused blocks of at most ``max_unroll`` steps.

@@ -52,7 +52,8 @@ class MCMC(pyro.infer.MCMC):
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
         run, in whole rounds of the kernel's (at least one: a NUTS round is 8 steps, an HMC
-        round 8 steps, or one whole trajectory without step-size adaptation). More
+        round 8 steps (at most the kernel's ``max_unroll``), or one whole trajectory without
+        step-size adaptation). More
         steps per call spread the host's work per call thinner but make a longer program to
         trace or compile.
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does

@@ -197,9 +197,11 @@ def test_each_chain_adapts_its_own_step_size_and_metric():
     assert stats[0]["step_size"][-1] == pytest.approx(float(fixed.step_size[0]))
 
 
-def test_vectorized_hmc_exact_posterior_and_per_chain_steps():
+@pytest.mark.parametrize("max_unroll", [16, 3])
+def test_vectorized_hmc_exact_posterior_and_per_chain_steps(max_unroll):
+    """Rounds of 8 steps, or of ``max_unroll`` steps where that is fewer."""
     pyro.set_rng_seed(2)
-    kernel = HMC(gauss2d, step_size=0.25, num_steps=10)
+    kernel = HMC(gauss2d, step_size=0.25, num_steps=10, max_unroll=max_unroll)
     mcmc = run(kernel)
     q = mcmc.get_samples()["q"].double().numpy()
     assert_mean(q, [0.0, 0.0])
