@@ -672,7 +672,8 @@ class NUTS(HMC):
         leapfrog steps).
     :param int max_unroll: most leapfrog steps in one compiled call (rounded down to a power
         of two): doublings that add fewer states are one call each; longer subtrees are built
-        in chunks of this many steps.
+        in chunks of this many steps. Vectorized chains (:class:`pyro_hmc_plus.MCMC`) run
+        rounds of 8 steps whatever this is (:mod:`pyro_hmc_plus.rounds`).
 
     The other arguments are those of :class:`HMC` (without ``trajectory_length`` and
     ``num_steps``, which NUTS chooses itself). Per-draw statistics (``sample_stats``)
