@@ -197,4 +197,5 @@ def hmc_transitions(
                            max_energy_error)
     steps = torch.full_like(c.draws, num_steps)
     draw = draw_row(moved.z, info, c.step_size.value, steps, torch.zeros_like(steps))
-    return c._replace(position=select(active, moved, c.position), draws=c.draws + active.to(torch.int64)), draw, active, active * num_steps
+    advanced = c._replace(position=select(active, moved, c.position), draws=c.draws + active.to(torch.int64))
+    return advanced, draw, active, active * num_steps

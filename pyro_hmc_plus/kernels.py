@@ -551,8 +551,8 @@ class HMC(MCMCKernel):
         choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
         if self._fixed_trajectories():
             return chain_batch.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
-        return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule, self.trajectory_length,
-                                     self._steps_per_round())
+        return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
+                                     self.trajectory_length, self._steps_per_round())
 
     def _fixed_trajectories(self) -> bool:
         """Every chain's trajectory has the same, short length (no step-size adaptation): a

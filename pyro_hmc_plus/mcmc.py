@@ -66,9 +66,10 @@ class MCMC(pyro.infer.MCMC):
     finished or waits for its metric update at the end of an adaptation window, and for NUTS
     a starting chain's 8th step in a round that also builds chunks, and the steps of a fused
     start or chunk after the tree stopped (see :mod:`pyro_hmc_plus.rounds`), for HMC the steps
-    of a round after the chain's trajectory ended (:mod:`pyro_hmc_plus.chain_batch`); :attr:`step_size`
-    ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)`` are each chain's
-    adapted values (over the flat unconstrained vector, sites in sorted order).
+    of a round after the chain's trajectory ended (:mod:`pyro_hmc_plus.chain_batch`).
+    :attr:`step_size` ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)``
+    are each chain's adapted values (over the flat unconstrained vector, sites in sorted
+    order).
     """
 
     def __init__(
