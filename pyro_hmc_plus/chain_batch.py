@@ -25,7 +25,7 @@ does not depend on how the chains' trajectories interleave.
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -135,11 +135,15 @@ def hmc_round(
     schedule: Schedule,
     trajectory_length: float,
     round_steps: int = ROUND_STEPS,
+    num_steps: Optional[int] = None,
     max_energy_error: float = MAX_ENERGY_ERROR,
 ):
     """One round for every chain that is not paused: ``round_steps`` leapfrog steps of its
-    trajectory (a chain starting one draws its momentum from ``noise``). A chain whose
-    trajectory has its ``num_steps`` steps inside the round takes its end from the step
+    trajectory (a chain starting one draws its momentum from ``noise``). A trajectory has
+    ``trajectory_length / step_size`` steps (each chain's own step size), or ``num_steps``
+    where given: the kernel's, for step sizes that are not adapted (computed from the given
+    step size as a Python float: a float32 step size may round the quotient down by one
+    step). A chain whose trajectory has its steps inside the round takes its end from the step
     where they are complete (the round's later steps are wasted on it), makes the
     Metropolis test (``uniforms[:, METROPOLIS]``) and emits its draw; the others carry
     their last step to the next round. Returns ``(chains, draw, done, steps)``: ``draw
@@ -151,7 +155,10 @@ def hmc_round(
     fresh = _start_trajectories(c.position, noise, metric)
     start, H0 = select(c.starting, fresh, (c.leaf, c.H0))
     taken_before = torch.where(c.starting, torch.zeros_like(c.n_steps), c.n_steps)
-    remaining = _trajectory_steps(c.step_size.value, trajectory_length) - taken_before
+    if num_steps is None:
+        remaining = _trajectory_steps(c.step_size.value, trajectory_length) - taken_before
+    else:
+        remaining = num_steps - taken_before
     taken = remaining.clamp(max=round_steps)
     leaves = leapfrog_states(value_and_grad, start, c.step_size.value, metric.inverse_mass, round_steps)
     leaf = state_at(leaves, taken - 1)

@@ -551,8 +551,9 @@ class HMC(MCMCKernel):
         choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
         if self._fixed_trajectories():
             return chain_batch.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
+        fixed_length = None if self.adapt_step_size else self.num_steps
         return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
-                                     self.trajectory_length, self._steps_per_round())
+                                     self.trajectory_length, self._steps_per_round(), fixed_length)
 
     def _fixed_trajectories(self) -> bool:
         """Every chain's trajectory has the same, short length (no step-size adaptation): a
@@ -573,7 +574,8 @@ class HMC(MCMCKernel):
 
     def _chains_settings(self) -> tuple:
         """What the batched program depends on besides its inputs' shapes."""
-        return (self.trajectory_length, self._fixed_trajectories(), self._steps_per_round())
+        return (self.trajectory_length, self._fixed_trajectories(), self._steps_per_round(),
+                None if self.adapt_step_size else self.num_steps)
 
     def _integrate(self, start: IntegratorState, step_size, inverse_mass, num_steps=None) -> IntegratorState:
         """``num_steps`` leapfrog steps as a few fused blocks of at most ``max_unroll`` steps.

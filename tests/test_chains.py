@@ -197,6 +197,17 @@ def test_each_chain_adapts_its_own_step_size_and_metric():
     assert stats[0]["step_size"][-1] == pytest.approx(float(fixed.step_size[0]))
 
 
+def test_vectorized_hmc_fixed_step_size_takes_the_kernels_number_of_steps():
+    """Without step-size adaptation every trajectory has the kernel's ``num_steps`` (here more
+    than ``max_unroll``, so in rounds), also where the float32 step size would make
+    ``trajectory_length / step_size`` round down to 52."""
+    pyro.set_rng_seed(0)
+    kernel = HMC(gauss2d, step_size=0.01, num_steps=53, adapt_step_size=False)
+    assert int(0.01 * 53 / torch.tensor(0.01)) == 52  # trajectory_length / a float32 step size
+    run(kernel, num_chains=2, num_samples=5, warmup_steps=5)
+    assert {n for stats in kernel.sample_stats[-2:] for n in stats["n_steps"]} == {53}
+
+
 @pytest.mark.parametrize("kernel_class", [NUTS, HMC])
 def test_vectorized_dense_metric_per_chain(kernel_class):
     """``full_mass=True``: each chain's inverse mass is a dense estimate of the posterior
