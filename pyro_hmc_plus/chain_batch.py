@@ -13,9 +13,8 @@ computes for a chain after its trajectory ended are wasted (the batch utilisatio
 them); the bookkeeping (the Metropolis test, the draw, the adaptation, the restart: ~110
 operations) is paid once per round instead of once per step, which is what costs on a CPU,
 where a traced program's operations cost about a microsecond each whatever the batch size.
-When every trajectory has the same fixed length (no step-size adaptation),
-:func:`hmc_transitions` runs whole transitions per call instead, fused. NUTS for a batch of
-chains is :mod:`pyro_hmc_plus.rounds`.
+When every trajectory has the same fixed length (no step-size adaptation), a round is one
+whole trajectory. NUTS for a batch of chains is :mod:`pyro_hmc_plus.rounds`.
 
 Chains that are *paused* (waiting for the host to update their metric at the end of an
 adaptation window, or finished) keep their state unchanged. Every function is pure and
@@ -31,7 +30,7 @@ import torch
 
 from .nuts import select
 from .adaptation import DualAveragingState, dual_averaging_init, dual_averaging_update
-from .hmc import MAX_ENERGY_ERROR, HMCState, hmc_step, metropolis
+from .hmc import MAX_ENERGY_ERROR, HMCState, metropolis
 from .integrator import IntegratorState, leapfrog, leapfrog_states, state_at
 from .metric import Metric, kinetic_energy, momentum
 
@@ -160,8 +159,11 @@ def hmc_round(
     else:
         remaining = num_steps - taken_before
     taken = remaining.clamp(max=round_steps)
-    leaves = leapfrog_states(value_and_grad, start, c.step_size.value, metric.inverse_mass, round_steps)
-    leaf = state_at(leaves, taken - 1)
+    eps, inv = c.step_size.value, metric.inverse_mass
+    if num_steps == round_steps:  # every trajectory is one round (fixed step sizes)
+        leaf = leapfrog(value_and_grad, start, eps, inv, round_steps)
+    else:
+        leaf = state_at(leapfrog_states(value_and_grad, start, eps, inv, round_steps), taken - 1)
     done = active & (remaining <= round_steps)
     n_steps = taken_before + taken
     moved, info = metropolis(c.position, H0, leaf, uniforms[..., METROPOLIS].log(), metric, max_energy_error)
@@ -178,31 +180,3 @@ def hmc_round(
         draws=draws,
     )
     return advanced, draw, done, taken * active
-
-
-def hmc_transitions(
-    value_and_grad: Callable,
-    chains: HMCChains,
-    noise: torch.Tensor,
-    uniforms: torch.Tensor,
-    metric: Metric,
-    schedule: Schedule,
-    num_steps: int,
-    max_energy_error: float = MAX_ENERGY_ERROR,
-):
-    """A whole trajectory of ``num_steps`` fused leapfrog steps for every chain that is not
-    paused, when all chains' trajectories have that length (the step size is not adapted):
-    then running them together wastes nothing, and the per-step bookkeeping of
-    :func:`hmc_advance` is not needed. Same arguments and results as :func:`hmc_round`."""
-    c = chains
-    active = c.draws < schedule.pause_at
-
-    def integrate(start, step_size, inverse_mass):
-        return leapfrog(value_and_grad, start, step_size, inverse_mass, num_steps)
-
-    moved, info = hmc_step(integrate, c.position, noise, uniforms[..., METROPOLIS].log(), c.step_size.value, metric,
-                           max_energy_error)
-    steps = torch.full_like(c.draws, num_steps)
-    draw = draw_row(moved.z, info, c.step_size.value, steps, torch.zeros_like(steps))
-    advanced = c._replace(position=select(active, moved, c.position), draws=c.draws + active.to(torch.int64))
-    return advanced, draw, active, active * num_steps

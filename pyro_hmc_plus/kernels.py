@@ -549,16 +549,13 @@ class HMC(MCMCKernel):
     def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):
         """One round for every chain: ``(chains, draw, done, steps)``. ``chunks`` is NUTS's
         choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
-        if self._fixed_trajectories():
-            return chain_batch.hmc_transitions(value_and_grad, chains, noise, uniforms, metric, schedule, self.num_steps)
-        fixed_length = None if self.adapt_step_size else self.num_steps
         return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
-                                     self.trajectory_length, self._steps_per_round(), fixed_length)
+                                     self.trajectory_length, self._steps_per_round(), self._fixed_num_steps())
 
-    def _fixed_trajectories(self) -> bool:
-        """Every chain's trajectory has the same, short length (no step-size adaptation): a
-        batched call runs whole transitions, fused."""
-        return not self.adapt_step_size and self.num_steps <= self.max_unroll
+    def _fixed_num_steps(self):
+        """Every chain's number of leapfrog steps where the step size is not adapted (then
+        all trajectories have that length), else ``None``."""
+        return None if self.adapt_step_size else self.num_steps
 
     def _chains_continuing(self, chains):
         """``(C,)`` bool: chains that a round with ``chunks=False`` would not advance (NUTS
@@ -567,15 +564,18 @@ class HMC(MCMCKernel):
 
     def _steps_per_round(self, chunks: bool = True) -> int:
         """Leapfrog steps per chain in one round of :meth:`_chains_advance` (HMC: a whole
-        fixed-length trajectory, else :data:`chain_batch.ROUND_STEPS`, at most ``max_unroll``)."""
-        return self.num_steps if self._fixed_trajectories() else min(chain_batch.ROUND_STEPS, self.max_unroll)
+        trajectory where all have the same length of at most ``max_unroll`` steps, else
+        :data:`chain_batch.ROUND_STEPS`, at most ``max_unroll``)."""
+        fixed = self._fixed_num_steps()
+        if fixed is not None and fixed <= self.max_unroll:
+            return fixed
+        return min(chain_batch.ROUND_STEPS, self.max_unroll)
 
     _chains_uniforms = chain_batch.NUM_UNIFORMS  # per chain and round
 
     def _chains_settings(self) -> tuple:
         """What the batched program depends on besides its inputs' shapes."""
-        return (self.trajectory_length, self._fixed_trajectories(), self._steps_per_round(),
-                None if self.adapt_step_size else self.num_steps)
+        return (self.trajectory_length, self._steps_per_round(), self._fixed_num_steps())
 
     def _integrate(self, start: IntegratorState, step_size, inverse_mass, num_steps=None) -> IntegratorState:
         """``num_steps`` leapfrog steps as a few fused blocks of at most ``max_unroll`` steps.

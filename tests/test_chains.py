@@ -198,10 +198,17 @@ def test_each_chain_adapts_its_own_step_size_and_metric():
 
 
 def test_vectorized_hmc_fixed_step_size_takes_the_kernels_number_of_steps():
-    """Without step-size adaptation every trajectory has the kernel's ``num_steps`` (here more
-    than ``max_unroll``, so in rounds), also where the float32 step size would make
-    ``trajectory_length / step_size`` round down to 52."""
+    """Without step-size adaptation every trajectory has the kernel's ``num_steps``: at most
+    ``max_unroll``, a round is one whole trajectory (here with the metric adapted, so chains
+    pause at the ends of its windows), and the chains sample the exact posterior; beyond it,
+    trajectories run in rounds and keep ``num_steps`` also where the float32 step size would
+    make ``trajectory_length / step_size`` round down to 52."""
     pyro.set_rng_seed(0)
+    kernel = HMC(gauss2d, step_size=0.25, num_steps=10, adapt_step_size=False)
+    q = run(kernel).get_samples()["q"].double().numpy()
+    assert {n for stats in kernel.sample_stats[-4:] for n in stats["n_steps"]} == {10}
+    assert_mean(q, [0.0, 0.0])
+    assert_variance(q, COV2.diagonal().tolist())
     kernel = HMC(gauss2d, step_size=0.01, num_steps=53, adapt_step_size=False)
     assert int(0.01 * 53 / torch.tensor(0.01)) == 52  # trajectory_length / a float32 step size
     run(kernel, num_chains=2, num_samples=5, warmup_steps=5)
