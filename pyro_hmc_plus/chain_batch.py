@@ -10,8 +10,8 @@ trajectory_length / step_size`` steps inside the round takes its end from the st
 they are complete, makes the Metropolis test, emits its draw, updates its own step size by
 dual averaging (warmup), and starts its next trajectory in the next round. The steps a round
 computes for a chain after its trajectory ended are wasted (the batch utilisation counts
-them); the bookkeeping (the Metropolis test, the draw, the adaptation, the restart: ~110
-operations) is paid once per round instead of once per step, which is what costs on a CPU,
+them); the bookkeeping (the Metropolis test, the draw, the adaptation, the restart: over a
+hundred operations) is paid once per round instead of once per step, which is what costs on a CPU,
 where a traced program's operations cost about a microsecond each whatever the batch size.
 When every trajectory has the same fixed length (no step-size adaptation), a round is one
 whole trajectory. NUTS for a batch of chains is :mod:`pyro_hmc_plus.rounds`.

@@ -89,7 +89,8 @@ def state_at(states: list, index: torch.Tensor) -> IntegratorState:
     ``4 * len(states)`` operations in a traced program)."""
     D = static_shape(states[0].z)[-1]
     packed = torch.stack([torch.cat([s.z, s.r, s.grad, s.potential_energy.unsqueeze(-1)], -1) for s in states])
-    picked = packed.gather(0, index.unsqueeze(0).unsqueeze(-1).expand((1,) + static_shape(index) + (3 * D + 1,))).squeeze(0)
+    rows = index.unsqueeze(0).unsqueeze(-1).expand((1,) + static_shape(index) + (3 * D + 1,))
+    picked = packed.gather(0, rows).squeeze(0)
     z, r, g, U = picked.split([D, D, D, 1], -1)
     return IntegratorState(z, r, U.squeeze(-1), g)
 

@@ -4,9 +4,8 @@
 one batch of flat states in this process: each compiled call advances every chain by one
 round (NUTS: a transition's fused start or a chunk of a deeper tree,
 :mod:`pyro_hmc_plus.rounds`; HMC: 8 leapfrog steps of its trajectory,
-:mod:`pyro_hmc_plus.chain_batch`), so one
-gradient evaluation serves all chains, no chain waits for another's trajectory, nothing is
-pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's
+:mod:`pyro_hmc_plus.chain_batch`), so one gradient evaluation serves all chains, no chain
+waits for another's trajectory, nothing is pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's
 (one chain after another in this process, through Pyro's own ``_gen_samples`` but without
 its per-draw logging; one process per chain).
 
@@ -53,9 +52,8 @@ class MCMC(pyro.infer.MCMC):
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
         run, in whole rounds of the kernel's (at least one: a NUTS round is 8 steps, an HMC
         round 8 steps (at most the kernel's ``max_unroll``), or one whole trajectory without
-        step-size adaptation). More
-        steps per call spread the host's work per call thinner but make a longer program to
-        trace or compile.
+        step-size adaptation). More steps per call spread the host's work per call thinner
+        but make a longer program to trace or compile.
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
         (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
         and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
