@@ -44,6 +44,43 @@ def run(kernel, *args, num_chains=4, num_samples=500, warmup_steps=300, **kw):
 
 # ---------------------------------------------------------------------------- the state machine
 
+def _gaussian_batch(C: int):
+    """C chains on a correlated 3-D Gaussian (``test_nuts.PREC``), float64: its batched
+    ``value_and_grad``, a diagonal inverse mass ``(3,)`` and its metric for the batch, start
+    points and momentum noise ``(C, 3)``."""
+
+    def value_and_grad(z):
+        return 0.5 * ((z @ PREC) * z).sum(-1), z @ PREC
+
+    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+    metric = make_metric(inv_mass.expand(C, 3).clone(), dense=False)
+    z = torch.randn(C, 3, dtype=torch.float64)
+    noise = torch.randn(C, 3, dtype=torch.float64)
+    return value_and_grad, inv_mass, metric, z, noise
+
+
+def _one_draw_each(step_size: torch.Tensor) -> chain_batch.Schedule:
+    """Every chain pauses after its first draw; step sizes are not adapted."""
+    like, C = torch.ones_like(step_size), len(step_size)
+    return chain_batch.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
+                                1e-10 * like, 1e10 * like)
+
+
+
+def _first_draws(advance, chains):
+    """Rounds of ``advance(chains) -> (chains, draw, done, steps)`` until every chain has made
+    its first draw (a schedule of :func:`_one_draw_each`): each chain's draw row, and the
+    leapfrog steps its rounds reported, summed ``(C,)``."""
+    C = len(chains.draws)
+    first_draw, steps_used = {}, torch.zeros(C, dtype=torch.int64)
+    while len(first_draw) < C:
+        chains, draw, done, steps = advance(chains)
+        assert (chains.draws <= 1).all()  # paused after one draw
+        steps_used += steps
+        for c in done.nonzero().flatten().tolist():
+            first_draw[c] = draw[c]
+    return first_draw, steps_used
+
 @pytest.mark.parametrize("step_size", [0.05, 0.3, 1.2, 3.0])
 def test_round_transitions_match_stan_recursion(step_size):
     """64 chains advanced round by round (a transition's first three doublings fused, then
@@ -54,36 +91,23 @@ def test_round_transitions_match_stan_recursion(step_size):
     the next subtree's), and the steps the rounds report add up to the transitions'."""
     torch.manual_seed(1)
     C, D, K = 64, 3, 7
-
-    def value_and_grad(z):
-        return 0.5 * ((z @ PREC) * z).sum(-1), z @ PREC
-
-    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
-    metric = make_metric(inv_mass.expand(C, D).clone(), dense=False)
-    z = torch.randn(C, D, dtype=torch.float64)
-    noise = torch.randn(C, D, dtype=torch.float64)
+    value_and_grad, inv_mass, metric, z, noise = _gaussian_batch(C)
     flags = torch.rand(C, K) < 0.5
     direction = torch.where(flags, 0.25, 0.75).to(torch.float64)  # a uniform below 0.5 is forward
     eps = torch.full((C,), step_size, dtype=torch.float64)
     chains = rounds.nuts_init(HMCState(z, *value_and_grad(z)), metric, chain_batch.StepSize.start(eps), K)
-    like = torch.ones_like(eps)
-    schedule = chain_batch.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
-                                    1e-10 * like, 1e10 * like)
-    first_draw, steps_used, chunks = {}, torch.zeros(C, dtype=torch.int64), False
-    while len(first_draw) < C:
+    schedule = _one_draw_each(eps)
+    def advance(chains):
         u = torch.rand(C, rounds.NUM_UNIFORMS, dtype=torch.float64)
         for j in range(rounds.FUSED_DOUBLINGS):
             u[:, rounds.FIRST_DOUBLINGS + 3 * j] = direction[:, j]
         u[:, rounds.ENTRY_DIRECTION] = direction[:, rounds.FUSED_DOUBLINGS]
         after = torch.where(chains.starting, rounds.FUSED_DOUBLINGS + 1, chains.tree.depth + 1).clamp(max=K - 1)
         u[:, rounds.NEXT_DIRECTION] = direction.gather(1, after.unsqueeze(1)).squeeze(1)
-        chains, draw, done, steps = rounds.nuts_round(value_and_grad, chains, noise, u, metric, schedule, K,
-                                                      chunks=chunks)
         chunks = bool((~chains.starting).any())  # as pyro_hmc_plus.MCMC chooses its rounds
-        assert (chains.draws <= 1).all()  # paused after one draw
-        steps_used += steps
-        for c in done.nonzero().flatten().tolist():
-            first_draw[c] = draw[c]
+        return rounds.nuts_round(value_and_grad, chains, noise, u, metric, schedule, K, chunks=chunks)
+
+    first_draw, steps_used = _first_draws(advance, chains)
     col = {name: D + i for i, name in enumerate(chain_batch.STAT_COLUMNS)}
     for c in range(C):
         expected = stan_tree(z[c], noise[c] * inv_mass.rsqrt(), step_size, inv_mass, flags[c].tolist(), K)
@@ -100,29 +124,16 @@ def test_hmc_round_transitions_match_one_chain_transitions():
     rounds report add up to it."""
     torch.manual_seed(3)
     C, D = 40, 3
-
-    def value_and_grad(z):
-        return 0.5 * ((z @ PREC) * z).sum(-1), z @ PREC
-
-    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
-    metric = make_metric(inv_mass.expand(C, D).clone(), dense=False)
-    z = torch.randn(C, D, dtype=torch.float64)
-    noise = torch.randn(C, D, dtype=torch.float64)
+    value_and_grad, inv_mass, metric, z, noise = _gaussian_batch(C)
     uniforms = torch.rand(C, chain_batch.NUM_UNIFORMS, dtype=torch.float64)
     trajectory_length = 2.0
     eps = trajectory_length / (torch.arange(1, C + 1, dtype=torch.float64) + 0.5)  # 1 to C steps
     chains = chain_batch.hmc_init(HMCState(z, *value_and_grad(z)), metric, chain_batch.StepSize.start(eps))
-    like = torch.ones_like(eps)
-    schedule = chain_batch.Schedule(torch.ones(C, dtype=torch.int64), torch.zeros(C, dtype=torch.int64), 0.8 * like,
-                                    1e-10 * like, 1e10 * like)
-    first_draw, steps_used = {}, torch.zeros(C, dtype=torch.int64)
-    while len(first_draw) < C:
-        chains, draw, done, steps = chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
-                                                          trajectory_length)
-        assert (chains.draws <= 1).all()  # paused after one draw
-        steps_used += steps
-        for c in done.nonzero().flatten().tolist():
-            first_draw[c] = draw[c]
+    schedule = _one_draw_each(eps)
+    first_draw, steps_used = _first_draws(
+        lambda chains: chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
+                                             trajectory_length),
+        chains)
     col = {name: D + i for i, name in enumerate(chain_batch.STAT_COLUMNS)}
     for c in range(C):
         L = c + 1
