@@ -144,7 +144,7 @@ def nuts_init(state: HMCState, metric: Metric, step_size: StepSize, max_tree_dep
 def _level_masks(n: torch.Tensor, levels: int):
     """For chunk index ``n (C,)``, which block sizes ``2**k`` (k < ``levels``) begin at ``n``
     and which end at it: two ``(C, levels)`` bool masks."""
-    low_bits = torch.tensor([(1 << k) - 1 for k in range(levels)], device=n.device)  # a constant in a trace
+    low_bits = torch.tensor([(1 << k) - 1 for k in range(levels)], device=n.device)  # traced: a constant + 2 cheap ops
     begins = (n.unsqueeze(-1) & low_bits) == 0
     ends = ((n + 1).unsqueeze(-1) & low_bits) == 0
     return begins, ends
