@@ -125,11 +125,13 @@ class HMC(MCMCKernel):
     :param model: a Pyro model (or give ``potential_fn``).
     :param potential_fn: ``U(params)`` over a dict of unconstrained tensors; needs
         ``initial_params`` (given to :class:`pyro.infer.MCMC`) and optionally ``transforms``.
-    :param float step_size: initial leapfrog step size (adapted in warmup if ``adapt_step_size``).
+    :param float step_size: initial leapfrog step size (with ``adapt_step_size``, where the search
+        for a reasonable one starts at setup).
     :param float trajectory_length: ``step_size * num_steps``; default ``2 * pi``. The number of
         steps is ``max(1, int(trajectory_length / step_size))``, so it follows the adapted step size.
     :param int num_steps: leapfrog steps per transition; sets ``trajectory_length`` if given.
-    :param bool adapt_step_size: dual averaging to ``target_accept_prob`` during warmup.
+    :param bool adapt_step_size: search a reasonable step size at setup (also without warmup, as
+        Pyro does), then dual averaging to ``target_accept_prob`` during warmup.
     :param bool adapt_mass_matrix: estimate the inverse mass matrix in Stan's warmup windows.
     :param full_mass: ``False`` (diagonal), ``True`` (dense), or a list of tuples of site names
         whose joint blocks are dense (the rest diagonal).
@@ -397,7 +399,7 @@ class HMC(MCMCKernel):
         self._window = 0
         self._welford = adaptation.welford_init(flat.initial_z, dense) if self.adapt_mass_matrix else None
         self._set_step_size(self._init_step_size)
-        if self.adapt_step_size and self._warmup_steps > 0:
+        if self.adapt_step_size:  # as Pyro: searched at setup even without warmup, which adapts nothing
             self._reset_step_size_adaptation()
 
     def _set_step_size(self, value: float):

@@ -276,7 +276,7 @@ class _VectorizedRun:
         slow = self.windows[1:-1] if k.adapt_mass_matrix else []
         self.metric_updates = list(slow)
         step = torch.full((self.C,), k._init_step_size, dtype=flat.dtype, device=flat.device)
-        if k.adapt_step_size and self.W > 0:
+        if k.adapt_step_size:  # as the kernel: searched even without warmup
             step = torch.stack([torch.tensor(self._reasonable_step_size(state, c, k._init_step_size)) for c in range(self.C)])
             step = step.to(dtype=flat.dtype, device=flat.device)
         self.chains = k._chains_init(state, self.metric, chain_batch.StepSize.start(step))

@@ -9,12 +9,10 @@ import arviz as az
 import numpy as np
 import pyro
 import pyro.distributions as dist
-import functools
-
 import pytest
 import torch
 
-from pyro_hmc_plus import HMC, MCMC, NUTS, chain_batch, rounds
+from pyro_hmc_plus import HMC, MCMC, NUTS, chain_batch, rounds, to_inference_data
 from pyro_hmc_plus.hmc import HMCState, hmc_step
 from pyro_hmc_plus.integrator import leapfrog
 from pyro_hmc_plus.metric import make_metric
@@ -369,6 +367,30 @@ def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
 
     _, calls = run_with(MCMC, 2, chain_method="sequential", disable_progbar=True, warn_on_problems=False)
     assert calls[0][:2] == ("Warmup [0]", 0) and calls[20][:2] == ("Sample [0]", 0) and calls[-1][:2] == ("Sample [1]", 29)
+
+
+def _narrow_normal():
+    pyro.sample("x", dist.Normal(torch.zeros(3), 0.01).to_event(1))
+
+
+@pytest.mark.parametrize("kernel_class", [NUTS, HMC])
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "pyro"])
+def test_without_warmup_the_step_size_is_still_searched(kernel_class, chain_method):
+    """With ``warmup_steps=0`` and ``adapt_step_size`` (the default), Pyro's kernels still
+    search a reasonable step size at setup; so must ours (the initial 1.0 diverges at every
+    transition on a normal of scale 0.01, the searched one ~0.01-0.02 does not)."""
+    pyro.set_rng_seed(0)
+    kernel = kernel_class(_narrow_normal)
+    if chain_method == "pyro":
+        mcmc = pyro.infer.MCMC(kernel, num_samples=30, warmup_steps=0, disable_progbar=True)
+    else:
+        mcmc = MCMC(kernel, num_samples=30, warmup_steps=0, num_chains=2, chain_method=chain_method,
+                    disable_progbar=True, warn_on_problems=False)
+    mcmc.run()
+    idata = to_inference_data(mcmc, log_likelihood=False)
+    step_size = np.asarray(idata.sample_stats["step_size"])
+    assert (step_size < 0.1).all() and not np.asarray(idata.sample_stats["diverging"]).any()
+    assert np.abs(np.asarray(idata.posterior["x"])[:, 10:]).max() < 0.05  # near the mode after the start
 
 
 def test_invalid_arguments():
