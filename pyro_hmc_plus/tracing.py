@@ -116,9 +116,13 @@ class _AtenRecorder(TorchDispatchMode):
         if node is None:
             name = f"_tensor_constant{self._constants}"
             self._constants += 1
-            setattr(self.root, name, tensor)
+            # detached: a Pyro param (which requires grad) is a constant of the potential, as in
+            # Pyro's MCMC, and a program cannot hold a constant that requires grad
+            value = tensor.detach()
+            setattr(self.root, name, value)
             node = self.graph.get_attr(name)
             self.bind(tensor, node)
+            node.meta["val"] = value
         return node
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

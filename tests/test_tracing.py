@@ -63,6 +63,34 @@ def test_data_only_branch_is_traced():
     assert torch.allclose(U, torch.tensor(5.0)) and torch.allclose(g, torch.tensor([-2.0, -4.0]))
 
 
+def _model_with_params(y):
+    loc = pyro.param("loc", torch.tensor(2.0))
+    scale = pyro.param("scale", torch.tensor(0.5), constraint=dist.constraints.positive)
+    x = pyro.sample("x", dist.Normal(loc, 1.0))
+    pyro.sample("y", dist.Normal(x, scale), obs=y)
+
+
+@pytest.mark.parametrize("num_chains", [1, 2])
+def test_pyro_params_are_constants_of_the_traced_potential(num_chains):
+    """``pyro.param`` values (tensors that require grad) are constants of the potential, as in
+    Pyro's MCMC; they used to reach the recorded program as constants requiring grad, which
+    TorchScript refuses. Traced, without falling back: x | y=0 ~ N(2 / 5, 1 / 5)."""
+    pyro.clear_param_store()
+    pyro.set_rng_seed(0)
+    kernel = NUTS(_model_with_params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        mcmc = pyro_hmc_plus.MCMC(kernel, num_samples=1000, warmup_steps=300, num_chains=num_chains,
+                                  disable_progbar=True, warn_on_problems=False)
+        mcmc.run(torch.tensor(0.0))
+    assert kernel._engine.name == "trace"
+    x = mcmc.get_samples(group_by_chain=True)["x"]
+    for chain in x:
+        assert_mean(chain, 0.4)
+        assert_variance(chain, 0.2)
+    pyro.clear_param_store()
+
+
 def test_constant_cholesky_is_folded_away():
     engine = GradientEngine(from_model(gauss2d))
     targets = {str(n.target) for n in engine._graph.graph.nodes}
