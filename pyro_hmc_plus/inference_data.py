@@ -274,11 +274,11 @@ def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
             "the momentum resampling explores the energy poorly; reparametrise the model"
         )
     high_rhat, max_rhat = [], float("nan")
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # numpy's warnings on constant draws (all rejected): reported as problems
         warnings.simplefilter("ignore")
         ess_bulk, ess_tail = az.ess(idata, method="bulk"), az.ess(idata, method="tail")
-    if num_chains > 1:  # R-hat compares chains (ArviZ logs a shape warning for one)
-        rhat = az.rhat(idata)
+        rhat = az.rhat(idata) if num_chains > 1 else None  # R-hat compares chains (ArviZ logs a shape warning for one)
+    if rhat is not None:
         max_rhat = float(np.nanmax([np.nanmax(np.asarray(v)) for v in rhat.data_vars.values()]))
         high_rhat = _names_where(rhat, lambda x: x > RHAT_THRESHOLD)
     floor = ESS_PER_CHAIN * num_chains

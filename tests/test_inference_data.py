@@ -6,6 +6,7 @@ import arviz as az
 import matplotlib
 import numpy as np
 import pyro
+import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer.mcmc.util import initialize_model
@@ -107,6 +108,23 @@ def test_lp_is_minus_the_potential_energy_with_jacobian_under_pyro_mcmc():
     with pytest.warns(UserWarning, match="does not keep warmup draws"):
         warm = to_inference_data(mcmc, save_warmup=True)
     assert warm.warmup_sample_stats["lp"].shape == (2, 50) and not hasattr(warm, "warmup_posterior")
+
+
+def test_a_run_that_never_moves_is_reported_without_numpys_warnings():
+    """Every transition rejected (a step size far too large, no warmup to fix it): the draws
+    are constant, ArviZ's R-hat divides by a zero variance, and the user gets one
+    SamplingWarning naming the problems, not numpy's division warnings."""
+    def model():
+        pyro.sample("x", dist.Normal(torch.zeros(2), 0.01).to_event(1))
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model, step_size=100.0, adapt_step_size=False), num_samples=20, warmup_steps=0, num_chains=2,
+                disable_progbar=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mcmc.run()
+    assert [w.category for w in caught] == [SamplingWarning]
+    assert "divergent transitions" in str(caught[0].message)
 
 
 def test_divergences_warning_on_centered_schools_only():
