@@ -247,9 +247,32 @@ class HMC(MCMCKernel):
         return max(1, int(self.trajectory_length / self._step_size))
 
     @property
-    def inverse_mass_matrix(self) -> torch.Tensor:
-        """The current inverse mass matrix over the flat vector: ``(D,)`` or ``(D, D)``."""
-        return self._metric.inverse_mass
+    def inverse_mass_matrix(self) -> "OrderedDict[tuple, torch.Tensor]":
+        """The current inverse mass matrix in Pyro's format: each dense block of ``full_mass``
+        (a tuple of site names; all sites, sorted, for ``full_mass=True``) to its ``(n, n)``
+        matrix, then the other sites (sorted, as one tuple) to their ``(n,)`` diagonal;
+        entries follow the tuple's sites, each site flattened."""
+        metric = getattr(self, "_metric", None)
+        if metric is None:
+            raise AttributeError(
+                "inverse_mass_matrix: this kernel has not run a chain yet (after a vectorized run of "
+                "pyro_hmc_plus.MCMC, each chain's is mcmc.inverse_mass_matrix)"
+            )
+        layout, inv = self._flat.layout, metric.inverse_mass
+        if self.full_mass is False:
+            dense_blocks = []
+        else:
+            dense_blocks = [layout.names] if self.full_mass is True else [tuple(b) for b in self.full_mass]
+        in_blocks = {name for block in dense_blocks for name in block}
+        out = OrderedDict()
+        for block in dense_blocks:
+            idx = torch.tensor(layout.positions(block), device=inv.device)
+            out[block] = inv[idx][:, idx]
+        diagonal_sites = tuple(name for name in layout.names if name not in in_blocks)
+        if diagonal_sites:
+            idx = torch.tensor(layout.positions(diagonal_sites), device=inv.device)
+            out[diagonal_sites] = (inv.diagonal() if inv.dim() == 2 else inv)[idx]
+        return out
 
     @property
     def engine_name(self) -> str:

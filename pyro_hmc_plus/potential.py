@@ -13,8 +13,9 @@ Everything here is eager and exact; making the gradient cheap is the job of
 
 from __future__ import annotations
 
+import itertools
 import math
-from typing import Callable, Dict, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import pyro
 import torch
@@ -39,6 +40,13 @@ class SiteLayout(NamedTuple):
     def dim(self) -> int:
         """D, the length of the flat vector."""
         return sum(self.sizes)
+
+    def positions(self, names) -> List[int]:
+        """Indices into the flat vector of the sites ``names``, in that order (each site's
+        entries in its own flattened order)."""
+        start = dict(zip(self.names, itertools.accumulate((0,) + self.sizes[:-1])))
+        size = dict(zip(self.names, self.sizes))
+        return [i for name in names for i in range(start[name], start[name] + size[name])]
 
     def pack(self, params: Dict[str, torch.Tensor], batch_shape=()) -> torch.Tensor:
         """A dict of site tensors of shape ``batch_shape + site_shape`` -> ``batch_shape + (D,)``."""

@@ -60,7 +60,7 @@ def test_badly_scaled_100d_gaussian_needs_and_gets_mass_adaptation():
     assert_mean(x / scales.numpy(), 0.0)
     assert_variance(x / scales.numpy(), 1.0)
     # the adapted inverse mass is the posterior variance, within sampling error
-    ratio = kernel.inverse_mass_matrix / scales**2
+    ratio = kernel.inverse_mass_matrix[("x",)] / scales**2
     assert ratio.min() > 0.5 and ratio.max() < 2.0
 
 
@@ -108,12 +108,16 @@ def test_dense_and_block_mass_matrices(full_mass):
     ab = torch.stack([s["a"], s["b"]], -1).numpy()
     assert_mean(ab, [0.0, 0.0])
     assert_variance(ab, [1.0, 1.0])
+    # Pyro's format: each dense block, then the other sites' diagonal, keyed by site names
     inv_mass = kernel.inverse_mass_matrix
-    assert inv_mass.shape == (2, 2)
+    pyro_kernel = PyroHMC(model, full_mass=full_mass)
+    pyro_kernel.setup(0)
+    assert {k: v.shape for k, v in inv_mass.items()} == {k: v.shape for k, v in pyro_kernel.inverse_mass_matrix.items()}
+    assert list(inv_mass) == list(pyro_kernel.inverse_mass_matrix)
     if full_mass == [("a",)]:
-        assert inv_mass[0, 1] == 0  # b is outside the dense block: no cross term
+        assert list(inv_mass) == [("a",), ("b",)]  # b is outside the dense block: no cross term
     else:
-        assert inv_mass[0, 1] > 0.5 * cov[0, 1]
+        assert inv_mass[("a", "b")][0, 1] > 0.5 * cov[0, 1]
 
 
 def test_float64_models_run_in_float64():

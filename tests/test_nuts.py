@@ -317,7 +317,7 @@ def test_badly_scaled_gaussian_with_dense_mass():
     x = run(kernel, 1500, 600).get_samples()["x"].numpy()
     assert_mean(x / scales.numpy(), 0.0)
     assert_variance(x / scales.numpy(), np.diag(L @ L.T))
-    ratio = kernel.inverse_mass_matrix.diagonal() / cov.diagonal()
+    ratio = kernel.inverse_mass_matrix[("x",)].diagonal() / cov.diagonal()
     assert ratio.min() > 0.5 and ratio.max() < 2.0
 
 
