@@ -104,14 +104,16 @@ class FlatPotential:
         return self.initial_z.device
 
     def potential(self, z: torch.Tensor) -> torch.Tensor:
-        """U at one point ``z`` of shape ``(D,)``, a 0-d tensor."""
+        """U at one point ``z`` of shape ``(D,)``, a 0-d tensor in ``z``'s dtype: a model whose
+        data are float64 while its latent values are float32 (the default dtype) has a float64
+        U, which the sampler's arithmetic, in the latent values' dtype, cannot mix with."""
         U = self.potential_fn(self.layout.unpack(z))
         if not torch.is_tensor(U) or U.numel() != 1:
             raise ValueError(
                 f"the potential energy must be a scalar tensor, got "
                 f"{type(U).__name__} of shape {tuple(getattr(U, 'shape', ()))}"
             )
-        return U.reshape(())
+        return U.reshape(()).to(z.dtype)
 
     def value_and_grad(self, z: torch.Tensor):
         """``(U, dU/dz)`` at one point ``z`` of shape ``(D,)`` by eager autograd.

@@ -15,7 +15,8 @@ import torch
 from pyro.infer import MCMC
 from pyro.infer import HMC as PyroHMC
 
-from pyro_hmc_plus import HMC
+import pyro_hmc_plus
+from pyro_hmc_plus import HMC, NUTS
 
 from helpers import assert_mean, assert_variance
 from models import (
@@ -128,6 +129,25 @@ def test_float64_models_run_in_float64():
     assert mu.dtype == torch.float64
     mean, var = normal_normal_posterior(x)
     assert_mean(mu.numpy(), mean)
+
+
+@pytest.mark.parametrize("kernel_class", [HMC, NUTS])
+def test_float64_data_with_float32_latents(kernel_class):
+    """Data in float64, latent values in the default float32: U comes out float64, as in Pyro
+    (which samples such models); the sampler keeps to the latent values' dtype instead of
+    failing on a float64 x float32 product. Traced, on one and two (vectorized) chains."""
+    x = torch.randn(10, generator=torch.Generator().manual_seed(0)).double() + 1.0
+    mean, var = normal_normal_posterior(x.float())
+    for num_chains in (1, 2):
+        pyro.set_rng_seed(0)
+        kernel = kernel_class(normal_normal)
+        mcmc = pyro_hmc_plus.MCMC(kernel, num_samples=500, warmup_steps=200, num_chains=num_chains,
+                                  disable_progbar=True, warn_on_problems=False)
+        mcmc.run(x)
+        mu = mcmc.get_samples()["mu"]
+        assert mu.dtype == torch.float32 and kernel.engine_name == "trace"
+        assert_mean(mu.numpy(), mean)
+        assert_variance(mu.numpy(), var)
 
 
 def test_potential_fn_with_initial_params_and_transforms():
