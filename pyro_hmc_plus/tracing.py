@@ -406,8 +406,9 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             torch.Tag.nondeterministic_seeded in target.tags
         ):
             continue
-        args = torch.fx.node.map_arg(node.args, lambda n: const[n])
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: const[n])
+        written = _written_inputs(node)  # evaluated on copies: other users read the originals
+        args = torch.fx.node.map_arg(node.args, lambda n: const[n].clone() if n in written else const[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: const[n].clone() if n in written else const[n])
         const[node] = target(*args, **kwargs)
     for node in list(graph.nodes):
         if node not in const or node.op == "get_attr":
@@ -422,7 +423,15 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         with graph.inserting_before(node):
             attr = _constant_node(gm, "_folded_", value.detach().clone() if value._is_view() else value.detach())
         for user in users:
-            user.replace_input_with(node, attr)
+            if node in _written_inputs(user):  # e.g. zeros_like(x).scatter_(...) in a gradient:
+                # a fresh copy at every call, or the writes of one call would stay in the
+                # constant for the next
+                with graph.inserting_before(user):
+                    fresh = graph.call_function(aten.clone.default, (attr,))
+                fresh.meta["val"] = value
+                user.replace_input_with(node, fresh)
+            else:
+                user.replace_input_with(node, attr)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
     graph.lint()
     gm.recompile()
@@ -1002,6 +1011,19 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def target_is_check(node) -> bool:
     return node.target is torch.ops.aten._linalg_check_errors.default
+
+
+def _written_inputs(node) -> set:
+    """The input nodes that ``node``'s op writes to in place (its schema's mutable arguments)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return set()
+    written = set()
+    for i, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
+            if isinstance(value, torch.fx.Node):
+                written.add(value)
+    return written
 
 
 def _is_impure(node) -> bool:

@@ -385,6 +385,29 @@ def test_in_place_updates_are_recorded_in_order():
     _assert_engine_matches_eager(engine, points, torch.randn(4, 3, generator=gen), rtol=1e-5)
 
 
+def _first_positive_potential(p):
+    x = p["x"]
+    mask = torch.zeros_like(x, dtype=torch.bool)  # depends on the shape only: a constant
+    mask.scatter_(0, (x > 0).long().argmax(0, keepdim=True), True)  # written in place, each call
+    return 0.5 * (x**2).sum() + torch.where(mask, x, torch.zeros_like(x)).sum()
+
+
+def test_a_constant_written_in_place_is_fresh_at_every_call():
+    """``zeros_like(x)`` is folded into a constant; an in-place write into it (as in
+    ``cumprod``'s gradient, under a simplex site's stick-breaking transform) used to write
+    into the constant itself, so each call started from the previous call's writes. The
+    program now writes into a copy: the same values as eager autograd, point after point."""
+    flat = from_potential_fn(_first_positive_potential, {"x": torch.tensor([-1.0, 2.0, 3.0])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    points = [torch.tensor(p) for p in ([-1.0, 2.0, 3.0], [-1.0, -2.0, 3.0], [5.0, -2.0, -3.0], [-1.0, 2.0, 3.0])]
+    for z in points:
+        U, g = engine.value_and_grad(z)
+        U0, g0 = flat.value_and_grad(z)
+        torch.testing.assert_close((U, g), (U0, g0))
+
+
 def test_a_fake_tensor_trace_refuses_to_promise_an_escape_check():
     """``fake=True`` (the compilers' trace) computes no values, so it cannot follow latent
     values into Python: asking for both is an error, not a silently skipped check."""
