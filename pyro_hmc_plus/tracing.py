@@ -208,6 +208,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     cheaper_indexing(gm)
     fold_linear_chains(gm)
     fold_constants(gm)
+    copy_written_constants(gm)
     gm.meta["elements_touched"] = elements_touched(gm)
     if not fake:  # the recorded values: no longer needed, and as large as the model's data
         for node in gm.graph.nodes:
@@ -423,15 +424,7 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         with graph.inserting_before(node):
             attr = _constant_node(gm, "_folded_", value.detach().clone() if value._is_view() else value.detach())
         for user in users:
-            if node in _written_inputs(user):  # e.g. zeros_like(x).scatter_(...) in a gradient:
-                # a fresh copy at every call, or the writes of one call would stay in the
-                # constant for the next
-                with graph.inserting_before(user):
-                    fresh = graph.call_function(aten.clone.default, (attr,))
-                fresh.meta["val"] = value
-                user.replace_input_with(node, fresh)
-            else:
-                user.replace_input_with(node, attr)
+            user.replace_input_with(node, attr)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
     graph.lint()
     gm.recompile()
@@ -1011,6 +1004,24 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
 def target_is_check(node) -> bool:
     return node.target is torch.ops.aten._linalg_check_errors.default
+
+
+def copy_written_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give every in-place write into a constant (a folded ``zeros_like(x)`` that
+    ``scatter_`` then fills, as in ``cumprod``'s gradient under a simplex site) a fresh copy
+    of it at every call: written into directly, the constant would keep one call's writes
+    for the next."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        for written in _written_inputs(node):
+            if written.op == "get_attr":
+                with graph.inserting_before(node):
+                    fresh = graph.call_function(aten.clone.default, (written,))
+                fresh.meta.update(written.meta)
+                node.replace_input_with(written, fresh)
+    graph.lint()
+    gm.recompile()
+    return gm
 
 
 def _written_inputs(node) -> set:
