@@ -65,6 +65,14 @@ class LatentTaint(TorchFunctionMode):
         flat_in, _ = tree_flatten((args, kwargs))
         tainted = any(self._is_marked(a) for a in flat_in)
         name = getattr(func, "__name__", "")
+        if tainted and name == "_is_all_true":
+            # torch.distributions' validation of values computed from the latent variables
+            # (``if not torch._is_all_true(valid): raise ValueError``), on by default in a
+            # distribution built while Pyro's validation was (a PyroSample prior): checked
+            # here, at the trace point, and not recorded. Where it would fail later, the
+            # log-density is in practice NaN or infinite (a log of a negative scale or
+            # probability...): a divergence, as the eager potential's error would be.
+            return func(*args, **kwargs)
         if tainted and name in _ESCAPES:
             raise UntraceableModel(
                 f"the potential uses {_ESCAPES[name]} a value computed from the latent "

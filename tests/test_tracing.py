@@ -91,6 +91,45 @@ def test_pyro_params_are_constants_of_the_traced_potential(num_chains):
     pyro.clear_param_store()
 
 
+class _Regression(pyro.nn.PyroModule):
+    """y ~ N(w x, 1) with w ~ N(0, 10^2) as a PyroSample prior: expanded while Pyro's
+    validation is on (its default), so the prior validates its samples whatever the
+    context says later (``expand`` copies the flag into the instance)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = pyro.nn.PyroSample(dist.Normal(0.0, 10.0).expand([1]).to_event(1))  # as Pyro's examples write priors
+
+    def forward(self, x, y):
+        w = self.w  # sampled here, outside the plate
+        with pyro.plate("data", len(x)):
+            pyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
+
+
+def test_distribution_validation_of_latent_values_does_not_stop_tracing():
+    """A distribution that validates its arguments or samples (``if not
+    torch._is_all_true(valid)``) on values computed from the latent variables, as every
+    PyroModule's PyroSample prior does, used to count as a Python branch on a latent value:
+    a fallback to eager autograd. It is checked at the trace point instead. Exact posterior:
+    w | x, y ~ N(sum(x y) / (sum(x^2) + 0.01), 1 / (sum(x^2) + 0.01))."""
+    with pyro.validation_enabled(True):
+        model = _Regression()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(20, generator=gen)
+    y = 0.7 * x + torch.randn(20, generator=gen)
+    precision = (x * x).sum() + 0.01
+    pyro.set_rng_seed(0)
+    kernel = NUTS(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        mcmc = MCMC(kernel, num_samples=1000, warmup_steps=300, disable_progbar=True)
+        mcmc.run(x, y)
+    assert kernel.engine_name == "trace"
+    w = mcmc.get_samples()["w"].numpy()
+    assert_mean(w, ((x * y).sum() / precision).item())
+    assert_variance(w, (1 / precision).item())
+
+
 def test_constant_cholesky_is_folded_away():
     engine = GradientEngine(from_model(gauss2d))
     targets = {str(n.target) for n in engine._graph.graph.nodes}
