@@ -67,9 +67,10 @@ class LatentTaint(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if tainted and name == "_is_all_true":
             # torch.distributions' validation of values computed from the latent variables
-            # (``if not torch._is_all_true(valid): raise ValueError``), on by default in a
-            # distribution built while Pyro's validation was (a PyroSample prior): checked
-            # here, at the trace point, and not recorded. Where it would fail later, the
+            # (``if not torch._is_all_true(valid): raise ValueError``), which a distribution
+            # expanded while Pyro's validation was on keeps whatever the context says later
+            # (a PyroSample prior ``Normal(0, 1).expand([n]).to_event(1)``): checked here, at
+            # the trace point, and not recorded (a check that fails here raises as in Pyro). Where it would fail later, the
             # log-density is in practice NaN or infinite (a log of a negative scale or
             # probability...): a divergence, as the eager potential's error would be.
             return func(*args, **kwargs)
