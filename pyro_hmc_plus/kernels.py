@@ -259,10 +259,7 @@ class HMC(MCMCKernel):
                 "pyro_hmc_plus.MCMC, each chain's is mcmc.inverse_mass_matrix)"
             )
         layout, inv = self._flat.layout, metric.inverse_mass
-        if self.full_mass is False:
-            dense_blocks = []
-        else:
-            dense_blocks = [layout.names] if self.full_mass is True else [tuple(b) for b in self.full_mass]
+        dense_blocks = self._dense_blocks()
         in_blocks = {name for block in dense_blocks for name in block}
         out = OrderedDict()
         for block in dense_blocks:
@@ -381,13 +378,20 @@ class HMC(MCMCKernel):
         return self._chain_stats
 
     # ------------------------------------------------------------------ adaptation
+    def _dense_blocks(self) -> list:
+        """The dense blocks of ``full_mass``: tuples of site names (all sites for ``True``,
+        none for ``False``)."""
+        if self.full_mass is False:
+            return []
+        return [self._flat.layout.names] if self.full_mass is True else list(self.full_mass)
+
     def _mass_structure(self):
         """``None`` for a diagonal metric, else a (D, D) 0/1 mask of the dense blocks
         (sites outside every block of ``full_mass`` keep a diagonal metric)."""
         layout = self._flat.layout
         if self.full_mass is False:
             return None
-        blocks = [layout.names] if self.full_mass is True else self.full_mass
+        blocks = self._dense_blocks()
         block_of = {}
         for b, block in enumerate(blocks):
             if not (isinstance(block, tuple) and block and all(n in layout.names for n in block)):

@@ -5,9 +5,10 @@ one batch of flat states in this process: each compiled call advances every chai
 round (NUTS: a transition's fused start or a chunk of a deeper tree,
 :mod:`pyro_hmc_plus.rounds`; HMC: 8 leapfrog steps of its trajectory,
 :mod:`pyro_hmc_plus.chain_batch`), so one gradient evaluation serves all chains, no chain
-waits for another's trajectory, nothing is pickled and no worker process is spawned. ``"sequential"`` and ``"parallel"`` are Pyro's
-(one chain after another in this process, through Pyro's own ``_gen_samples`` but without
-its per-draw logging; one process per chain).
+waits for another's trajectory, nothing is pickled and no worker process is spawned.
+``"sequential"`` and ``"parallel"`` are Pyro's (one chain after another in this process,
+through Pyro's own ``_gen_samples`` but without its per-draw logging; one process per
+chain).
 
 The host side of a vectorized run lives here: each chain's adaptation windows (a chain is
 paused in the compiled call when it reaches the end of a window; its metric and step size are
