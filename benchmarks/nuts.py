@@ -1,8 +1,12 @@
 """NUTS side by side: ESS per second and ESS per gradient, Pyro's NUTS vs ours, in one run.
 
 Models: the classic question's 2-D Gaussian, eight schools (non-centered), a logistic
-regression (N=5,000, D=25) and a hierarchical linear model with 100 latent dimensions
-(``hierarchical``: 96 group intercepts, a slope, and three scales/means).
+regression (N=5,000, D=25), a hierarchical linear model with 100 latent dimensions
+(``hierarchical``: 96 group intercepts, a slope, and three scales/means) and, not run by
+default, ``ar_loop``: an AR(1) latent series of 20 steps observed with noise, written as a
+Python loop over ``pyro.markov`` with one sample site per step, as Pyro's time-series
+tutorials write models (a gradient of ~700 scalar operations; slow for Pyro, so run it with
+fewer draws, e.g. ``--warmup 200 --samples 200``).
 
 Each contender runs one chain in a fresh Python process with one thread (so tracing and
 compiling are counted), ``--warmup`` + ``--samples`` iterations, and the contenders alternate
@@ -39,9 +43,25 @@ import subprocess
 import sys
 import time
 
-MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical")
+MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical", "ar_loop")
+DEFAULT_MODELS = MODELS[:4]
 CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor", "numpyro")
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+def ar_loop(y):
+    """AR(1) latent states ``x_t ~ N(phi x_{t-1}, s)`` observed as ``y_t ~ N(x_t, 0.3)``, one
+    site per time step."""
+    import pyro
+    import pyro.distributions as dist
+    import torch
+
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    phi = pyro.sample("phi", dist.Uniform(-1.0, 1.0))
+    x = torch.tensor(0.0)
+    for t in pyro.markov(range(len(y))):
+        x = pyro.sample(f"x_{t}", dist.Normal(phi * x, s))
+        pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
 
 
 def make_problem(name: str):
@@ -78,6 +98,12 @@ def make_problem(name: str):
         a = 1.0 + 0.7 * torch.randn(groups, generator=g)
         y = a[group] - 0.6 * x + 0.8 * torch.randn(groups * per_group, generator=g)
         return counted(models.hierarchical_intercepts), (x, group, y), calls
+    if name == "ar_loop":  # phi = 0.8, s = 0.5, 20 steps
+        x, states = torch.tensor(0.0), []
+        for _ in range(20):
+            x = 0.8 * x + 0.5 * torch.randn((), generator=g)
+            states.append(x)
+        return counted(ar_loop), (torch.stack(states) + 0.3 * torch.randn(20, generator=g),), calls
     raise ValueError(name)
 
 
@@ -119,6 +145,14 @@ def numpyro_model(name: str):
             a = mu_a + sigma_a * a_raw
             with numpyro.plate("data", len(y)):
                 numpyro.sample("y", nd.Normal(a[group] + beta * x, sigma_y), obs=y)
+    elif name == "ar_loop":
+        def model(y):
+            s = numpyro.sample("s", nd.HalfNormal(1.0))
+            phi = numpyro.sample("phi", nd.Uniform(-1.0, 1.0))
+            x = 0.0
+            for t in range(len(y)):
+                x = numpyro.sample(f"x_{t}", nd.Normal(phi * x, s))
+                numpyro.sample(f"y_{t}", nd.Normal(x, 0.3), obs=y[t])
     else:
         raise ValueError(name)
     return model
@@ -198,7 +232,7 @@ def run_one(model_name: str, contender: str, warmup: int, samples: int, seed: in
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--models", nargs="*", default=list(DEFAULT_MODELS), choices=MODELS)
     parser.add_argument("--contenders", nargs="*", default=["pyro", "pyro_jit", "ours"], choices=CONTENDERS)
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--samples", type=int, default=500)
