@@ -9,7 +9,9 @@ Engines (``engine=`` on the kernels):
     the sampler's functions around it (a block of leapfrog steps, a whole transition, a NUTS
     doubling) with the gradient inlined, as one ``torch.jit.trace`` program, run on the
     CPU by Static Runtime (:func:`pyro_hmc_plus._compile.static_runtime`). Ready in a
-    fraction of a second.
+    fraction of a second. A gradient of more than :data:`MAX_INLINED_GRADIENT_OPS`
+    operations (a model written as a Python loop of many sites) is not inlined: it is one
+    program, called by the sampler's functions run in Python.
 ``"aot"``
     The same graph compiled ahead of time to C++ by AOTInductor and kept in an on-disk
     cache (``$PYRO_HMC_PLUS_CACHE``, default ``~/.cache/pyro_hmc_plus``): the first run
@@ -54,6 +56,18 @@ class EngineFallbackWarning(UserWarning):
 
 
 _GRADIENT_CHECKS = 2  # random points (besides the initial one) where the traced gradient is checked
+# A gradient of more operations than this is not inlined into the sampler's programs (a
+# NUTS doubling or an HMC transition of up to 16 leapfrog steps): recording and checking the
+# programs then costs more than it saves. Measured with NUTS on an AR(1) series written as a
+# Python loop of one site per step (as benchmarks/nuts.py's ar_loop, at several lengths),
+# 1000 + 1000 draws: inlined programs were faster at 135 operations (3.4 vs 5.0 s), about as fast at
+# 237 (4.6 vs 5.0 s), slower from 373 (11.9 vs 8.8 s; 68.6 vs 12.0 s at 3,433 and 100 + 100).
+MAX_INLINED_GRADIENT_OPS = 300
+# The same for the rounds of many chains at once, whose bookkeeping (~850 operations a round)
+# costs more when run op by op in Python: 4 chains, 1000 + 1000 draws, inlined programs were
+# faster at 237 and 373 operations (6.0 vs 8.9 s, 8.3 vs 12.3 s), slower at 713 and 1,053
+# (16.0 vs 14.4 s, 37.1 vs 34.0 s).
+MAX_INLINED_BATCHED_GRADIENT_OPS = 500
 _PROGRAM_MISMATCH = "the recorded program disagrees with the same function run step by step on the traced gradient"
 
 
@@ -118,6 +132,7 @@ class GradientEngine:
         self._said_not_compiled = False
         self._graph = None
         self._batched_graphs = {}  # batch size -> graph (or None: not vmappable)
+        self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -197,8 +212,16 @@ class GradientEngine:
         example_inputs: Sequence[torch.Tensor],
         validation_inputs: Sequence[Sequence[torch.Tensor]] = (),
         cache_key: tuple = None,
+        max_inlined_gradient_ops: int = None,
     ) -> Callable:
         """A compiled (or eager) program computing ``fn(value_and_grad, *inputs)``.
+
+        The gradient graph is inlined into the program wherever ``fn`` calls
+        ``value_and_grad``, unless it has more than ``max_inlined_gradient_ops`` operations
+        (default :data:`MAX_INLINED_GRADIENT_OPS`): then ``fn`` runs in Python around one
+        traced program of the gradient. Recording and checking a program costs ~0.1 ms per
+        operation, while inlining saves only the host's ~0.1 ms per call, a few percent of a
+        gradient of thousands of operations (at ~1 µs each).
 
         ``cache_key`` (hashable, its ``repr`` stable across processes) names ``fn`` among
         the sampler's functions, with every setting it depends on; with it, a program found
@@ -207,14 +230,11 @@ class GradientEngine:
         dtypes, and the source of this package.
         """
 
-        def eager(*xs):
-            return fn(self.eager_value_and_grad, *xs)
-
-        def reference(*xs):  # what a program must agree with: fn run op by op on the gradient graph
-            return fn(self.value_and_grad, *xs)
-
+        if max_inlined_gradient_ops is None:
+            max_inlined_gradient_ops = MAX_INLINED_GRADIENT_OPS
+        reference = self._reference(fn)
         if self.name == "eager":
-            return eager
+            return self._eager(fn)
         # distinct copies (a tracer would merge two inputs that are the same tensor object),
         # contiguous (what compiled programs are called with: _compile._on_contiguous_inputs)
         examples = tuple(x.clone(memory_format=torch.contiguous_format) for x in example_inputs)
@@ -228,6 +248,33 @@ class GradientEngine:
             compiled = self._compiled_program(fn, examples, key, reference, validation_inputs, skip_aot=cached is not None)
             if compiled is not None:
                 return compiled
+        if self.gradient_ops > max_inlined_gradient_ops:
+            return lambda *xs: fn(self._value_and_grad_program, *xs)
+        return self._traced_program(fn, examples, validation_inputs)
+
+    @property
+    def gradient_ops(self):
+        """How many operations one gradient runs (the graph's calls); ``None`` on the eager path."""
+        if self._graph is None:
+            return None
+        return sum(node.op == "call_function" for node in self._graph.graph.nodes)
+
+    def _value_and_grad_program(self, z: torch.Tensor):
+        """``value_and_grad(z)`` run as a traced program, one per shape of ``z``, recorded at
+        (and checked at) the gradient's check points (:meth:`_gradient_points`), where the
+        model is known to evaluate."""
+        shape = tuple(z.shape)
+        program = self._gradient_programs.get(shape)
+        if program is None:
+            points = [(point.expand(shape).clone(),) for point in self._gradient_points()]
+            program = self._traced_program(lambda value_and_grad, x: value_and_grad(x), points[0], points)
+            self._gradient_programs[shape] = program
+        return program(z)
+
+    def _traced_program(self, fn, examples, validation_inputs):
+        """``fn`` recorded by ``torch.jit.trace`` (inlining the gradient graph wherever ``fn``
+        calls ``value_and_grad``), run by Static Runtime, else by TorchScript, whichever first
+        agrees with :meth:`_reference` at ``validation_inputs``; the eager path if none does."""
         candidates = [examples] + [tuple(x.clone() for x in xs) for xs in validation_inputs[1:]]
         try:
             traced = self._first_that_runs(
@@ -235,17 +282,24 @@ class GradientEngine:
             )
         except tracing.UntraceableModel as e:
             self._fall_back(f"{e}")
-            return eager
+            return self._eager(fn)
         if traced is None:  # the model fails numerically at every example: run it eagerly
-            return eager
+            return self._eager(fn)
         problem = None
         for program in (_compile.static_runtime(traced, examples), traced):  # the faster executor first
             if program is not None:
-                problem = self._check(program, reference, validation_inputs, _PROGRAM_MISMATCH)
+                problem = self._check(program, self._reference(fn), validation_inputs, _PROGRAM_MISMATCH)
                 if problem is None:
                     return program
         self._fall_back(problem)
-        return eager
+        return self._eager(fn)
+
+    def _eager(self, fn):
+        return lambda *xs: fn(self.eager_value_and_grad, *xs)
+
+    def _reference(self, fn):
+        """What a program must agree with: ``fn`` run op by op on the gradient graph."""
+        return lambda *xs: fn(self.value_and_grad, *xs)
 
     def _compiled_program(self, fn, examples, key, reference, validation_inputs, skip_aot: bool):
         """``fn`` traced into an FX graph and compiled to C++ (``"aot"``: into the on-disk

@@ -512,11 +512,12 @@ class HMC(MCMCKernel):
 
         return self._program(("transition", num_steps), transition, validation)
 
-    def _program(self, key, fn, make_validation_inputs):
+    def _program(self, key, fn, make_validation_inputs, max_inlined_gradient_ops=None):
         """The cached program ``key`` computing ``fn(value_and_grad, *args)``, where the
         arguments and the result are (nested tuples of) tensors such as the core's state
         records. On first use it is traced and checked at the argument tuples that
-        ``make_validation_inputs()`` returns (the first also serves as the tracing example)."""
+        ``make_validation_inputs()`` returns (the first also serves as the tracing example);
+        ``max_inlined_gradient_ops``: see :meth:`GradientEngine.program`."""
         program = self._programs.get(key)
         if program is None:
             before = self._engine.name
@@ -534,7 +535,8 @@ class HMC(MCMCKernel):
                 flat_inputs.append([])
                 _flatten(args, flat_inputs[-1])
             cache_key = (type(self).__name__, key, self._program_settings())
-            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs, cache_key=cache_key)
+            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs, cache_key=cache_key,
+                                            max_inlined_gradient_ops=max_inlined_gradient_ops)
             program = _Program(compiled, out_structure)
             if self._engine.name != before:  # fell back: earlier programs are for the old engine
                 self._programs = {}

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from . import adaptation, chain_batch
 from .hmc import HMCState
-from .engine import is_numerical_failure
+from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, is_numerical_failure
 from .inference_data import diagnose, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
 from .nuts import select
@@ -338,7 +338,8 @@ class _VectorizedRun:
             return out
 
         self._eager_advance[chunks] = lambda *xs: advance(self._safe_value_and_grad, *xs)
-        return k._program(("chains", self.C, T, chunks) + k._chains_settings(), advance, validation)
+        return k._program(("chains", self.C, T, chunks) + k._chains_settings(), advance, validation,
+                          max_inlined_gradient_ops=MAX_INLINED_BATCHED_GRADIENT_OPS)
 
     def _slots(self, chunks: bool) -> int:
         """Leapfrog steps per chain of one call of :meth:`_advance_program` ``(chunks)``."""

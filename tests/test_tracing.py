@@ -215,6 +215,61 @@ def test_programs_are_recorded_with_the_gradient_inlined():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _ar_loop(y):
+    """An AR(1) latent series written as a Python loop of one site per step: a gradient of
+    hundreds of scalar operations."""
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    phi = pyro.sample("phi", dist.Uniform(-1.0, 1.0))
+    x = torch.tensor(0.0)
+    for t in pyro.markov(range(len(y))):
+        x = pyro.sample(f"x_{t}", dist.Normal(phi * x, s))
+        pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
+
+
+@pytest.mark.parametrize("kernel_class", [NUTS, lambda model: HMC(model, num_steps=4)], ids=["NUTS", "HMC"])
+def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_draws(kernel_class, monkeypatch):
+    """A gradient of more than MAX_INLINED_GRADIENT_OPS operations is not inlined into the
+    kernel's programs (recording them would cost seconds): it is one traced program, and the
+    sampler's functions call it. The draws are those of the inlined programs."""
+    y = torch.linspace(-1.0, 1.0, 10)
+
+    def run():
+        pyro.set_rng_seed(0)
+        kernel = kernel_class(_ar_loop)
+        mcmc = MCMC(kernel, num_samples=20, warmup_steps=20, disable_progbar=True)
+        mcmc.run(y)
+        return kernel._engine, mcmc.get_samples()
+
+    engine, separate = run()
+    assert engine.name == "trace" and engine.gradient_ops > pyro_hmc_plus.engine.MAX_INLINED_GRADIENT_OPS
+    assert list(engine._gradient_programs) == [(12,)]  # s, phi and 10 states, one point at a time
+    monkeypatch.setattr(pyro_hmc_plus.engine, "MAX_INLINED_GRADIENT_OPS", 10**6)
+    engine, inlined = run()
+    assert not engine._gradient_programs
+    for name, value in inlined.items():
+        assert torch.allclose(separate[name], value, atol=1e-4), name
+
+
+def test_vectorized_chains_call_a_large_batched_gradient_with_the_same_draws(monkeypatch):
+    """The same for the rounds of many chains at once, with their own threshold (lowered here
+    so that eight schools' small gradient counts as large)."""
+
+    def run():
+        pyro.set_rng_seed(0)
+        mcmc = pyro_hmc_plus.MCMC(NUTS(eight_schools), num_samples=20, warmup_steps=20, num_chains=3,
+                                  disable_progbar=True, warn_on_problems=False)
+        mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+        return mcmc.kernel._engine, mcmc.get_samples(group_by_chain=True)
+
+    engine, inlined = run()
+    assert (3, 10) not in engine._gradient_programs
+    monkeypatch.setattr(pyro_hmc_plus.mcmc, "MAX_INLINED_BATCHED_GRADIENT_OPS", 0)
+    engine, separate = run()
+    assert (3, 10) in engine._gradient_programs  # the 3 chains' points at once
+    for name, value in inlined.items():
+        assert torch.allclose(separate[name], value, atol=1e-4), name
+
+
 def test_engine_programs_run_on_static_runtime_and_draws_reach_users_as_plain_tensors():
     """On the CPU the engine runs its programs with Static Runtime (inference tensors come
     out), yet a hook_fn, the samples and the eager potential get ordinary tensors: a hook may
