@@ -257,7 +257,7 @@ class GradientEngine:
         """How many operations one gradient runs (the graph's calls); ``None`` on the eager path."""
         if self._graph is None:
             return None
-        return sum(node.op == "call_function" for node in self._graph.graph.nodes)
+        return tracing.operations(self._graph.graph)
 
     def _value_and_grad_program(self, z: torch.Tensor):
         """``value_and_grad(z)`` run as a traced program, one per shape of ``z``, recorded at

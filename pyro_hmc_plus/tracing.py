@@ -17,7 +17,9 @@ cost of small models, and removes aliasing no-ops.
 
 from __future__ import annotations
 
+import copy
 import functools
+import heapq
 import math
 import operator
 import warnings
@@ -217,6 +219,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         simplify,  # the reshapes around the products it made
         shrink_broadcasts,
         cheaper_indexing,
+        vectorize_alike_ops,
         fold_linear_chains,
         fold_constants,
         copy_written_constants,
@@ -543,7 +546,8 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             graph.erase_node(node)
             continue
         if node.target is aten.cat.default and len(node.args[0]) == 1 and _val(node) is not None:
-            if _val(node.args[0][0]) is not None and _val(node.args[0][0]).shape == _val(node).shape:
+            if (_val(node.args[0][0]) is not None and _val(node.args[0][0]).shape == _val(node).shape
+                    and not _written_through(node)):
                 node.replace_all_uses_with(node.args[0][0])
                 graph.erase_node(node)
             continue
@@ -556,7 +560,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if not node.users:
                 graph.erase_node(node)
             continue
-        if _is_value_identity(node):
+        if _is_value_identity(node) and not _written_through(node):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
@@ -571,7 +575,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                     and src.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default)):
                 node.args = (src.args[0],) + tuple(node.args[1:])
                 node.target = aten.reshape.default
-                if _is_value_identity(node):  # e.g. a vector viewed as a column and back
+                if _is_value_identity(node) and not _written_through(node):  # e.g. a column and back
                     node.replace_all_uses_with(node.args[0])
                     graph.erase_node(node)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
@@ -745,6 +749,8 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 acc = graph.call_function(aten.add.Tensor, (acc, t), kwargs)
                 acc.meta["val"] = _val(node)
             new = scaled(acc, scale, form.constant, dtype)
+        if new is terms[0][0] and _written_through(node):
+            continue  # written in place: must stay a tensor of its own, not one of its terms
         if new is not terms[0][0]:  # a new node (else the combination is one of its terms)
             new.meta["val"] = _val(node)
         node.replace_all_uses_with(new)
@@ -1042,6 +1048,316 @@ def copy_written_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 node.replace_input_with(written, fresh)
 
 
+# elementwise ops whose tensor operands all have the result's shape and dtype: k of them,
+# computed on stacked operands, are one op whose rows are the k results
+_VECTORIZABLE = {
+    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.add.Scalar,
+    aten.neg.default, aten.log.default, aten.exp.default, aten.log1p.default, aten.expm1.default,
+    aten.pow.Tensor_Scalar, aten.reciprocal.default, aten.sqrt.default, aten.rsqrt.default,
+    aten.sigmoid.default, aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default,
+    aten.softplus.default, aten.softplus_backward.default, aten.addcmul.default, aten.abs.default,
+}
+_MIN_GROUP = 4  # fewer alike ops are left as they are: stacking their operands costs about as much
+
+
+@_graph_pass
+def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Compute alike elementwise ops that do not depend on each other as one op on stacked
+    operands. A model written as a Python loop of one sample site per step (``for t in
+    pyro.markov(range(T))``) computes each site's log-density, and its gradient, with the same
+    few scalar ops, T times over: T x ~35 operations, each costing a microsecond of dispatch.
+    Ops are alike when they have the same target, the same non-tensor arguments, and results
+    and tensor operands of one shape and dtype; they are independent when they are at the
+    same depth (longest path from the graph's inputs). A group's operand is the one node all
+    its members share, the rows of an earlier group's result (reordered by an
+    ``index_select`` where needed), or else a ``stack`` of the members' operands; each member's
+    result is then a row of the group's (a ``select``, dropped where no one needs it). The
+    ops are then reordered so that each comes after its operands, keeping every in-place
+    write after the reads before it and before the reads after it. Where that is impossible,
+    or the graph would not have fewer operations, it is left as it was."""
+    nodes = list(gm.graph.nodes)
+    written = set().union(*(_aliases(w) for node in nodes for w in _written_inputs(node)))
+    depth = {}
+    for node in nodes:
+        depth[node] = 1 + max((depth[a] for a in node.all_input_nodes), default=-1)
+    groups: Dict[tuple, list] = {}
+    for node in nodes:
+        key = _alike_key(node)
+        if key is not None and not written.intersection(node.all_input_nodes) and not _written_through(node):
+            groups.setdefault((depth[node],) + key, []).append(node)
+    groups = {key: members for key, members in groups.items() if len(members) >= _MIN_GROUP}
+    if not groups:
+        return gm
+    work = copy.deepcopy(gm)  # rewritten, and kept only if its ops can be ordered
+    copies = dict(zip(nodes, work.graph.nodes))
+    rank = {copies[node]: i for i, node in enumerate(nodes)}
+    graph = work.graph
+    row_of = _rows(graph.nodes)  # a node that is a row of a tensor -> (the tensor, index)
+    for key in sorted(groups, key=lambda k: k[0]):
+        members = [copies[m] for m in groups[key]]
+        with graph.inserting_before(members[0]):
+            args = [_stacked_operand(graph, [m.args[i] for m in members], row_of) for i in range(len(members[0].args))]
+            result = graph.call_function(members[0].target, tuple(args), dict(members[0].kwargs))
+            # numbers are equal in a group (its key); tensor operands may all be one node
+            shared = all(not isinstance(a, torch.fx.Node) or all(m.args[i] is a for m in members)
+                         for i, a in enumerate(args))
+            result.meta["val"] = _val(members[0]) if shared else torch.stack([_val(m) for m in members])
+            for i, member in enumerate(members):
+                # the same op on the same operands (e.g. a scale's log in every step's density): once
+                row = result if shared else graph.call_function(aten.select.int, (result, 0, i))
+                row.meta["val"] = _val(member)
+                member.replace_all_uses_with(row)
+                if not shared:
+                    row_of[row] = (result, i)
+                rank.setdefault(row, rank[member])
+                del rank[member]
+        for member in members:  # after the inserts before the first of them
+            graph.erase_node(member)
+    _sum_rows_at_once(graph, row_of)
+    _concatenate_rows_at_once(graph, row_of)
+    if not _reorder(graph, rank):
+        return gm
+    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    if operations(graph) >= operations(gm.graph):
+        return gm
+    for name, buffer in work.named_buffers():
+        if not hasattr(gm, name):
+            gm.register_buffer(name, buffer)
+    gm.graph = graph
+
+
+def operations(graph: torch.fx.Graph) -> int:
+    """How many operations ``graph`` runs (its calls): what its fixed cost in a program is
+    proportional to, at about a microsecond of dispatch each."""
+    return sum(node.op == "call_function" for node in graph.nodes)
+
+
+def _is_plain_add(node) -> bool:
+    return node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2
+
+
+def _sum_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
+    """Rewrite each tree of additions (intermediate sums used once) whose terms include
+    several rows of one vectorized result as a sum of those rows (one ``sum``, after an
+    ``index_select`` where they are not all its rows) plus the other terms: the sum of the
+    sites' log-densities, and the gradient's accumulation over the sites that use a value."""
+    for root in list(graph.nodes):
+        if not _is_plain_add(root) or not torch.is_tensor(_val(root)):
+            continue
+        users = list(root.users)
+        if len(users) == 1 and _is_plain_add(users[0]) and _val(users[0]).shape == _val(root).shape:
+            continue  # not a root: part of its user's tree
+        terms, pending = [], [root]
+        while pending:
+            node = pending.pop()
+            for a in node.args:
+                inner = isinstance(a, torch.fx.Node) and _is_plain_add(a) and len(a.users) == 1
+                if inner and torch.is_tensor(_val(a)) and _val(a).shape == _val(root).shape:
+                    pending.append(a)
+                else:
+                    terms.append(a)
+        by_rows: Dict[torch.fx.Node, list] = {}
+        for t in terms:
+            if isinstance(t, torch.fx.Node) and t in row_of and _val(t).shape == _val(root).shape:
+                by_rows.setdefault(row_of[t][0], []).append(t)
+        by_rows = {rows: ts for rows, ts in by_rows.items() if len(ts) >= 2}
+        if not by_rows:
+            continue
+        with graph.inserting_before(root):
+            kept = []  # the sums first: a term may be a number, which cannot start an add
+            for rows, ts in by_rows.items():
+                indices = sorted(row_of[t][1] for t in ts)
+                picked = rows
+                if indices != list(range(_val(rows).shape[0])):
+                    index = torch.tensor(indices, device=_val(rows).device)
+                    picked = graph.call_function(
+                        aten.index_select.default, (rows, 0, _constant_node(graph.owning_module, "_rows_", index)))
+                    picked.meta["val"] = _val(rows).index_select(0, index)
+                total = graph.call_function(aten.sum.dim_IntList, (picked, [0]))
+                total.meta["val"] = _val(picked).sum(0)
+                kept.append(total)
+            kept += [t for t in terms if not any(t in ts for ts in by_rows.values())]
+            acc = kept[0]
+            for t in kept[1:]:
+                acc = graph.call_function(aten.add.Tensor, (acc, t))
+                acc.meta["val"] = _val(root)
+        root.replace_all_uses_with(acc)
+
+
+def _concatenate_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
+    """In each concatenation of numbers made vectors of one element (the gradient assembled
+    from its sites' parts), pick each run of consecutive rows of one vector by one
+    ``index_select`` (the vector itself where the run is all of it, in order)."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cat.default or len(node.args) != 1 or node.kwargs:
+            continue
+        runs = []  # [source or None, [operands], [indices]]
+        for piece in node.args[0]:
+            row = piece.args[0] if (isinstance(piece, torch.fx.Node) and piece.target is aten.view.default
+                                    and list(piece.args[1]) == [1]) else None
+            source, index = row_of.get(row, (None, None))
+            if source is not None and _val(source).dim() != 1:
+                source = None
+            if source is not None and runs and runs[-1][0] is source:
+                runs[-1][1].append(piece)
+                runs[-1][2].append(index)
+            else:
+                runs.append([source, [piece], [index]])
+        if all(source is None or len(pieces) == 1 for source, pieces, _ in runs):
+            continue
+        parts = []
+        with graph.inserting_before(node):
+            for source, pieces, indices in runs:
+                if source is None or len(pieces) == 1:
+                    parts.extend(pieces)
+                elif indices == list(range(_val(source).shape[0])):
+                    parts.append(source)
+                else:
+                    index = torch.tensor(indices, device=_val(source).device)
+                    picked = graph.call_function(
+                        aten.index_select.default, (source, 0, _constant_node(graph.owning_module, "_rows_", index)))
+                    picked.meta["val"] = _val(source).index_select(0, index)
+                    parts.append(picked)
+            if len(parts) == 1:
+                whole = graph.call_function(aten.clone.default, (parts[0],))  # cat's result is its own tensor
+            else:
+                whole = graph.call_function(aten.cat.default, (parts,))
+            whole.meta["val"] = _val(node)
+        node.replace_all_uses_with(whole)
+
+
+def _alike_key(node):
+    """What must be equal for ``node`` to be computed with others in one op, or ``None``."""
+    if node.op != "call_function" or node.target not in _VECTORIZABLE:
+        return None
+    out = _val(node)
+    if not torch.is_tensor(out):
+        return None
+    pattern = []
+    for a in node.args:
+        if isinstance(a, torch.fx.Node):
+            v = _val(a)
+            if not torch.is_tensor(v) or v.shape != out.shape or v.dtype != out.dtype:
+                return None
+            pattern.append("tensor")
+        elif isinstance(a, (int, float, bool)) or a is None:
+            pattern.append(("number", type(a), a))
+        else:
+            return None
+    kwargs = tuple(sorted(node.kwargs.items()))
+    if any(isinstance(v, torch.fx.Node) for _, v in kwargs):
+        return None
+    return (node.target, tuple(out.shape), out.dtype, tuple(pattern), kwargs)
+
+
+def _stacked_operand(graph, operands: list, row_of: dict):
+    """One operand of a group computed at once: the node all members share, else the
+    members' operands as the rows of one tensor: picked from the tensors they are rows of
+    (concatenated first where several) by one ``index_select``, or else stacked."""
+    first = operands[0]
+    if not isinstance(first, torch.fx.Node) or all(o is first for o in operands):
+        return first
+    others = list(dict.fromkeys(o for o in operands if o not in row_of))
+    if len(others) * 2 > len(operands):  # mostly not rows: a stack is the cheapest
+        stacked = graph.call_function(aten.stack.default, (list(operands),))
+        stacked.meta["val"] = torch.stack([_val(o) for o in operands])
+        return stacked
+    row_of = dict(row_of)
+    if others:  # the few that are not rows become the rows of their own stack
+        stacked = graph.call_function(aten.stack.default, (others,))
+        stacked.meta["val"] = torch.stack([_val(o) for o in others])
+        row_of.update((o, (stacked, i)) for i, o in enumerate(others))
+    sources, offsets = [], {}
+    for o in operands:
+        source = row_of[o][0]
+        if source not in offsets:
+            offsets[source] = sum(_val(s).shape[0] for s in sources)
+            sources.append(source)
+    indices = [offsets[row_of[o][0]] + row_of[o][1] for o in operands]
+    rows = sources[0]
+    if len(sources) > 1:
+        rows = graph.call_function(aten.cat.default, (sources,))
+        rows.meta["val"] = torch.cat([_val(s) for s in sources])
+    if indices == list(range(_val(rows).shape[0])):
+        return rows
+    index = torch.tensor(indices, device=_val(rows).device)
+    picked = graph.call_function(aten.index_select.default, (rows, 0, _constant_node(graph.owning_module, "_rows_", index)))
+    picked.meta["val"] = _val(rows).index_select(0, index)
+    return picked
+
+
+def _rows(nodes) -> dict:
+    """The nodes that are rows of another: ``x.select(0, i)``, and the one-element pieces of
+    a vector split into sites (``split_with_sizes`` then a view to a number):
+    ``{row: (tensor, index)}``."""
+    rows = {}
+    for node in nodes:
+        if node.op == "call_function" and node.target is aten.select.int and node.args[1] == 0:
+            source = _val(node.args[0])
+            if torch.is_tensor(source):
+                rows[node] = (node.args[0], node.args[2] % source.shape[0])
+            continue
+        if node.op != "call_function" or node.target is not aten.view.default or not node.args:
+            continue
+        piece = node.args[0]
+        if not (isinstance(piece, torch.fx.Node) and piece.target is operator.getitem
+                and piece.args[0].target is aten.split_with_sizes.default):
+            continue
+        split = piece.args[0]
+        vector, sizes = split.args[0], split.args[1]
+        dim = split.args[2] if len(split.args) > 2 else 0
+        v, j = _val(vector), piece.args[1]
+        if torch.is_tensor(v) and v.dim() == 1 and dim in (0, -1) and sizes[j] == 1 and _val(node).dim() == 0:
+            rows[node] = (vector, sum(sizes[:j]))
+    return rows
+
+
+def _reorder(graph: torch.fx.Graph, rank: dict) -> bool:
+    """Reorder ``graph``'s nodes so that each comes after its inputs, and every in-place
+    write after the nodes of lower ``rank`` that read what it writes (or a view of it) and
+    before those of higher rank; otherwise by ``rank`` (nodes without one rank with their first user).
+    ``False``, and the graph unchanged, where that order does not exist."""
+    nodes = list(graph.nodes)
+
+    def rank_of(node):  # the graph is not in order here: follow the users
+        if node not in rank:
+            rank[node] = min((rank_of(u) for u in node.users), default=len(nodes))
+        return rank[node]
+
+    for node in nodes:
+        rank_of(node)
+    before = {node: set(node.all_input_nodes) for node in nodes}
+    for writer in nodes:
+        for target in set().union(*map(_aliases, _written_inputs(writer))):
+            for reader in target.users:
+                if reader is not writer:
+                    (before[writer] if rank[reader] < rank[writer] else before[reader]).add(
+                        reader if rank[reader] < rank[writer] else writer)
+    after = {node: [] for node in nodes}
+    for node, preds in before.items():
+        for p in preds:
+            after[p].append(node)
+    waiting = {node: len(preds) for node, preds in before.items()}
+    ready = [(rank[n], i, n) for i, n in enumerate(nodes) if waiting[n] == 0]
+    heapq.heapify(ready)
+    order, serial = [], len(nodes)
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in after[node]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                serial += 1
+                heapq.heappush(ready, (rank[user], serial, user))
+    if len(order) < len(nodes):
+        return False
+    previous = order[0]
+    for node in order[1:]:
+        previous.append(node)
+        previous = node
+    return True
+
+
 def _written_inputs(node) -> set:
     """The input nodes that ``node``'s op writes to in place (its schema's mutable arguments)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
@@ -1053,6 +1369,48 @@ def _written_inputs(node) -> set:
             if isinstance(value, torch.fx.Node):
                 written.add(value)
     return written
+
+
+def _written_through(node) -> bool:
+    """Whether an in-place op writes ``node``'s result, directly or through a view of it: then
+    ``node`` must stay a tensor of its own (not be replaced by an input it equals, nor made a
+    row of a tensor shared with others)."""
+    pending, seen = [node], {node}
+    while pending:
+        current = pending.pop()
+        for user in current.users:
+            if current in _written_inputs(user):
+                return True
+            if user not in seen and _returns_view(user):
+                seen.add(user)
+                pending.append(user)
+    return False
+
+
+def _aliases(node) -> set:
+    """``node`` and every node that shares its memory through view ops (views of it, what it
+    is a view of, their other views)."""
+    found, pending = {node}, [node]
+    while pending:
+        current = pending.pop()
+        linked = [u for u in current.users if _returns_view(u)]
+        if _returns_view(current) and isinstance(current.args[0], torch.fx.Node):
+            linked.append(current.args[0])
+        for other in linked:
+            if other not in found:
+                found.add(other)
+                pending.append(other)
+    return found
+
+
+def _returns_view(node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:  # a piece of a split
+        return True
+    if not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    return any(r.alias_info is not None for r in node.target._schema.returns)
 
 
 def _is_impure(node) -> bool:
