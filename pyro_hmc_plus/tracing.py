@@ -1088,7 +1088,9 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     groups = {key: members for key, members in groups.items() if len(members) >= _MIN_GROUP}
     if not groups:
         return gm
-    work = copy.deepcopy(gm)  # rewritten, and kept only if its ops can be ordered
+    # rewritten on a copy of the graph (the constants are shared, not copied), kept only if
+    # its ops can be ordered and there are fewer
+    work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     copies = dict(zip(nodes, work.graph.nodes))
     rank = {copies[node]: i for i, node in enumerate(nodes)}
     graph = work.graph
