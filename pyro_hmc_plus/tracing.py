@@ -1048,15 +1048,6 @@ def copy_written_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 node.replace_input_with(written, fresh)
 
 
-# elementwise ops whose tensor operands all have the result's shape and dtype: k of them,
-# computed on stacked operands, are one op whose rows are the k results
-_VECTORIZABLE = {
-    aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.mul.Scalar, aten.add.Scalar,
-    aten.neg.default, aten.log.default, aten.exp.default, aten.log1p.default, aten.expm1.default,
-    aten.pow.Tensor_Scalar, aten.reciprocal.default, aten.sqrt.default, aten.rsqrt.default,
-    aten.sigmoid.default, aten.sigmoid_backward.default, aten.tanh.default, aten.tanh_backward.default,
-    aten.softplus.default, aten.softplus_backward.default, aten.addcmul.default, aten.abs.default,
-}
 _MIN_GROUP = 4  # fewer alike ops are left as they are: stacking their operands costs about as much
 
 
@@ -1066,8 +1057,9 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     operands. A model written as a Python loop of one sample site per step (``for t in
     pyro.markov(range(T))``) computes each site's log-density, and its gradient, with the same
     few scalar ops, T times over: T x ~35 operations, each costing a microsecond of dispatch.
-    Ops are alike when they have the same target, the same non-tensor arguments, and results
-    and tensor operands of one shape and dtype; they are independent when they are at the
+    Ops are alike when they have the same target and non-tensor arguments, results and tensor
+    operands of one shape, operands of one dtype (masks aside), position by position the same
+    dtypes, and are elementwise (torch's ``pointwise`` tag); they are independent when at the
     same depth (longest path from the graph's inputs). A group's operand is the one node all
     its members share, the rows of an earlier group's result (reordered by an
     ``index_select`` where needed), or else a ``stack`` of the members' operands; each member's
@@ -1230,22 +1222,26 @@ def _concatenate_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
 
 def _alike_key(node):
     """What must be equal for ``node`` to be computed with others in one op, or ``None``."""
-    if node.op != "call_function" or node.target not in _VECTORIZABLE:
+    if not _is_pointwise(node):  # elementwise: k of them on stacked operands are one op
         return None
     out = _val(node)
     if not torch.is_tensor(out):
         return None
-    pattern = []
+    pattern, dtypes = [], set()
     for a in node.args:
         if isinstance(a, torch.fx.Node):
             v = _val(a)
-            if not torch.is_tensor(v) or v.shape != out.shape or v.dtype != out.dtype:
+            if not torch.is_tensor(v) or v.shape != out.shape:
                 return None
-            pattern.append("tensor")
+            pattern.append(("tensor", v.dtype))
+            if v.dtype != torch.bool:  # masks take no part in type promotion
+                dtypes.add(v.dtype)
         elif isinstance(a, (int, float, bool)) or a is None:
             pattern.append(("number", type(a), a))
         else:
             return None
+    if len(dtypes) > 1:  # a 0-d operand shared by the group would promote differently
+        return None
     kwargs = tuple(sorted(node.kwargs.items()))
     if any(isinstance(v, torch.fx.Node) for _, v in kwargs):
         return None

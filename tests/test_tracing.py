@@ -310,18 +310,32 @@ def test_recording_refuses_values_that_would_be_frozen(escape):
         tracing.to_torchscript(escape, (torch.randn(3),))
 
 
-def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(monkeypatch):
+def _gamma_beta_poisson_loop(counts):
+    """One Beta and one Gamma site per observation, in a Python loop: support checks, masks
+    and comparisons (bool results and operands) among the repeated ops."""
+    a = pyro.sample("a", dist.Gamma(2.0, 1.0))
+    for i in range(len(counts)):
+        p = pyro.sample(f"p_{i}", dist.Beta(a, 2.0))
+        r = pyro.sample(f"r_{i}", dist.Gamma(a, 1.0))
+        pyro.sample(f"c_{i}", dist.Poisson(r * p + 0.1), obs=counts[i])
+
+
+@pytest.mark.parametrize("model, data, fewer", [
+    (_ar_loop, torch.sin(torch.arange(30.0)), 5.0),
+    (_gamma_beta_poisson_loop, torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0, 1.0, 4.0, 3.0]), 1.4),
+], ids=["ar1", "gamma_beta_poisson"])
+def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(model, data, fewer, monkeypatch):
     """A model written as a Python loop of one site per step computes the same scalar ops for
-    every step: vectorize_alike_ops computes them as vector ops. The AR(1) loop of 30 steps:
-    at least 5x fewer operations, the same potential and gradient as Pyro's at random
-    points, one point at a time and for a batch of points (the vmap-ed graph)."""
-    y = torch.sin(torch.arange(30.0))
-    flat = from_model(_ar_loop, (y,))
+    every step: vectorize_alike_ops computes them as vector ops. Fewer operations by the
+    factor ``fewer`` (the AR(1) loop of 30 steps: at least 5x), the same potential and
+    gradient as Pyro's at random points, one point at a time and for a batch of points (the
+    vmap-ed graph)."""
+    flat = from_model(model, (data,))
     engine = GradientEngine(flat)
     monkeypatch.setattr(tracing, "vectorize_alike_ops", lambda gm, recompile=True: gm)
     unvectorized = GradientEngine(flat)
     assert engine.name == unvectorized.name == "trace"
-    assert engine.gradient_ops * 5 < unvectorized.gradient_ops
+    assert engine.gradient_ops * fewer < unvectorized.gradient_ops
     gen = torch.Generator().manual_seed(1)
     points = flat.initial_z + torch.randn(4, flat.dim, generator=gen)
     U_batch, g_batch = engine.value_and_grad(points)
