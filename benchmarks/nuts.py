@@ -3,10 +3,10 @@
 Models: the classic question's 2-D Gaussian, eight schools (non-centered), a logistic
 regression (N=5,000, D=25), a hierarchical linear model with 100 latent dimensions
 (``hierarchical``: 96 group intercepts, a slope, and three scales/means) and, not run by
-default, ``ar_loop``: an AR(1) latent series of 20 steps observed with noise, written as a
-Python loop over ``pyro.markov`` with one sample site per step, as Pyro's time-series
-tutorials write models (a gradient of ~700 scalar operations; slow for Pyro, so run it with
-fewer draws, e.g. ``--warmup 200 --samples 200``).
+default, ``ar_loop`` (``pyro_hmc_plus.models.ar1_loop``): an AR(1) latent series of 20 steps
+observed with noise, written as a Python loop over ``pyro.markov`` with one sample site per
+step, as Pyro's time-series tutorials write models (slow for Pyro, so run it with fewer
+draws, e.g. ``--warmup 200 --samples 200``).
 
 Each contender runs one chain in a fresh Python process with one thread (so tracing and
 compiling are counted), ``--warmup`` + ``--samples`` iterations, and the contenders alternate
@@ -49,21 +49,6 @@ CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor", "numpyro"
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 
 
-def ar_loop(y):
-    """AR(1) latent states ``x_t ~ N(phi x_{t-1}, s)`` observed as ``y_t ~ N(x_t, 0.3)``, one
-    site per time step."""
-    import pyro
-    import pyro.distributions as dist
-    import torch
-
-    s = pyro.sample("s", dist.HalfNormal(1.0))
-    phi = pyro.sample("phi", dist.Uniform(-1.0, 1.0))
-    x = torch.tensor(0.0)
-    for t in pyro.markov(range(len(y))):
-        x = pyro.sample(f"x_{t}", dist.Normal(phi * x, s))
-        pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
-
-
 def make_problem(name: str):
     """``(model, args, calls)`` for a Pyro model of ``pyro_hmc_plus.models`` with this
     benchmark's data (fixed by a seeded generator); ``calls["n"]`` counts model executions."""
@@ -103,7 +88,7 @@ def make_problem(name: str):
         for _ in range(20):
             x = 0.8 * x + 0.5 * torch.randn((), generator=g)
             states.append(x)
-        return counted(ar_loop), (torch.stack(states) + 0.3 * torch.randn(20, generator=g),), calls
+        return counted(models.ar1_loop), (torch.stack(states) + 0.3 * torch.randn(20, generator=g),), calls
     raise ValueError(name)
 
 

@@ -86,6 +86,18 @@ def gp_regression(x, y):
     pyro.sample("y", dist.MultivariateNormal(torch.zeros(n), scale_tril=torch.linalg.cholesky(cov)), obs=y)
 
 
+def ar1_loop(y):
+    """AR(1) latent states ``x_t ~ N(phi x_{t-1}, s)`` observed as ``y_t ~ N(x_t, 0.3)``,
+    written as Pyro's time-series tutorials write models: a Python loop with one sample site
+    per time step (the tracer vectorizes the repeated ops, see ``docs/how-it-works.md``)."""
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    phi = pyro.sample("phi", dist.Uniform(-1.0, 1.0))
+    x = torch.tensor(0.0)
+    for t in pyro.markov(range(len(y))):
+        x = pyro.sample(f"x_{t}", dist.Normal(phi * x, s))
+        pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
+
+
 def problem(name: str) -> Problem:
     """The named example problem: ``classic``, ``eight_schools``, ``eight_schools_centered``,
     ``logistic``, ``hierarchical`` or ``gp``."""

@@ -9,6 +9,7 @@ from pyro.infer import MCMC
 from pyro_hmc_plus import HMC, NUTS, EngineFallbackWarning, SamplingWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
 import pyro_hmc_plus
 from pyro_hmc_plus import tracing
+from pyro_hmc_plus.models import ar1_loop
 
 from helpers import assert_mean, assert_variance
 from models import PRECISION, EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, gauss2d
@@ -215,17 +216,6 @@ def test_programs_are_recorded_with_the_gradient_inlined():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def _ar_loop(y):
-    """An AR(1) latent series written as a Python loop of one site per step: a gradient of
-    hundreds of scalar operations."""
-    s = pyro.sample("s", dist.HalfNormal(1.0))
-    phi = pyro.sample("phi", dist.Uniform(-1.0, 1.0))
-    x = torch.tensor(0.0)
-    for t in pyro.markov(range(len(y))):
-        x = pyro.sample(f"x_{t}", dist.Normal(phi * x, s))
-        pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
-
-
 @pytest.mark.parametrize("kernel_class", [NUTS, lambda model: HMC(model, num_steps=4)], ids=["NUTS", "HMC"])
 def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_draws(kernel_class, monkeypatch):
     """A gradient of more than MAX_INLINED_GRADIENT_OPS operations (lowered here to below the
@@ -237,7 +227,7 @@ def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_dra
     def run(max_inlined_ops):
         monkeypatch.setattr(pyro_hmc_plus.engine, "MAX_INLINED_GRADIENT_OPS", max_inlined_ops)
         pyro.set_rng_seed(0)
-        kernel = kernel_class(_ar_loop)
+        kernel = kernel_class(ar1_loop)
         mcmc = MCMC(kernel, num_samples=20, warmup_steps=20, disable_progbar=True)
         mcmc.run(y)
         return kernel._engine, mcmc.get_samples()
@@ -321,7 +311,7 @@ def _gamma_beta_poisson_loop(counts):
 
 
 @pytest.mark.parametrize("model, data, fewer", [
-    (_ar_loop, torch.sin(torch.arange(30.0)), 5.0),
+    (ar1_loop, torch.sin(torch.arange(30.0)), 5.0),
     (_gamma_beta_poisson_loop, torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0, 1.0, 4.0, 3.0]), 1.4),
 ], ids=["ar1", "gamma_beta_poisson"])
 def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(model, data, fewer, monkeypatch):
