@@ -10,8 +10,8 @@ Engines (``engine=`` on the kernels):
     doubling) with the gradient inlined, as one ``torch.jit.trace`` program, run on the
     CPU by Static Runtime (:func:`pyro_hmc_plus._compile.static_runtime`). Ready in a
     fraction of a second. A gradient of more than :data:`MAX_INLINED_GRADIENT_OPS`
-    operations (a model written as a Python loop of many sites) is not inlined: it is one
-    program, called by the sampler's functions run in Python.
+    operations (thousands: a loop of many sites whose steps the tracer could not vectorize)
+    is not inlined: it is one program, called by the sampler's functions run in Python.
 ``"aot"``
     The same graph compiled ahead of time to C++ by AOTInductor and kept in an on-disk
     cache (``$PYRO_HMC_PLUS_CACHE``, default ``~/.cache/pyro_hmc_plus``): the first run
@@ -59,9 +59,10 @@ _GRADIENT_CHECKS = 2  # random points (besides the initial one) where the traced
 # A gradient of more operations than this is not inlined into the sampler's programs (a
 # NUTS doubling or an HMC transition of up to 16 leapfrog steps): recording and checking the
 # programs then costs more than it saves. Measured with NUTS on an AR(1) series written as a
-# Python loop of one site per step (as benchmarks/nuts.py's ar_loop, at several lengths; the
-# operation counts of their graphs before tracing.vectorize_alike_ops), 1000 + 1000 draws: inlined programs were faster at 135 operations (3.4 vs 5.0 s), about as fast at
-# 237 (4.6 vs 5.0 s), slower from 373 (11.9 vs 8.8 s; 68.6 vs 12.0 s at 3,433 and 100 + 100).
+# Python loop of one site per step (models.ar1_loop at several lengths; the operation counts
+# of its graphs before tracing.vectorize_alike_ops), 1000 + 1000 draws: inlined programs were
+# faster at 135 operations (3.4 vs 5.0 s), about as fast at 237 (4.6 vs 5.0 s), slower from
+# 373 (11.9 vs 8.8 s; 68.6 vs 12.0 s at 3,433 and 100 + 100 draws).
 MAX_INLINED_GRADIENT_OPS = 300
 # The same for the rounds of many chains at once, whose bookkeeping (~850 operations a round)
 # costs more when run op by op in Python: 4 chains, 1000 + 1000 draws, inlined programs were

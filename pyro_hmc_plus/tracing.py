@@ -1086,7 +1086,10 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     copies = dict(zip(nodes, work.graph.nodes))
     rank = {copies[node]: i for i, node in enumerate(nodes)}
     graph = work.graph
-    row_of = _rows(graph.nodes)  # a node that is a row of a tensor -> (the tensor, index)
+    # a node that is a row of a tensor -> (the tensor, index); not of one written in place,
+    # whose rows are worth reading only where they were read
+    written = {copies[node] for node in written}
+    row_of = {row: (source, i) for row, (source, i) in _rows(graph.nodes).items() if source not in written}
     for key in sorted(groups, key=lambda k: k[0]):
         members = [copies[m] for m in groups[key]]
         with graph.inserting_before(members[0]):
@@ -1126,6 +1129,10 @@ def operations(graph: torch.fx.Graph) -> int:
     return sum(node.op == "call_function" for node in graph.nodes)
 
 
+def _same_shape(a, b) -> bool:
+    return torch.is_tensor(_val(a)) and torch.is_tensor(_val(b)) and _val(a).shape == _val(b).shape
+
+
 def _is_plain_add(node) -> bool:
     return node.op == "call_function" and node.target is aten.add.Tensor and not node.kwargs and len(node.args) == 2
 
@@ -1139,14 +1146,14 @@ def _sum_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
         if not _is_plain_add(root) or not torch.is_tensor(_val(root)):
             continue
         users = list(root.users)
-        if len(users) == 1 and _is_plain_add(users[0]) and _val(users[0]).shape == _val(root).shape:
+        if len(users) == 1 and _is_plain_add(users[0]) and _same_shape(users[0], root):
             continue  # not a root: part of its user's tree
         terms, pending = [], [root]
         while pending:
             node = pending.pop()
             for a in node.args:
                 inner = isinstance(a, torch.fx.Node) and _is_plain_add(a) and len(a.users) == 1
-                if inner and torch.is_tensor(_val(a)) and _val(a).shape == _val(root).shape:
+                if inner and _same_shape(a, root):
                     pending.append(a)
                 else:
                     terms.append(a)
