@@ -1079,7 +1079,7 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             groups.setdefault((depth[node],) + key, []).append(node)
     groups = {key: members for key, members in groups.items() if len(members) >= _MIN_GROUP}
     if not groups:
-        return gm
+        return
     # rewritten on a copy of the graph (the constants are shared, not copied), kept only if
     # its ops can be ordered and there are fewer
     work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -1088,8 +1088,8 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = work.graph
     # a node that is a row of a tensor -> (the tensor, index); not of one written in place,
     # whose rows are worth reading only where they were read
-    written = {copies[node] for node in written}
-    row_of = {row: (source, i) for row, (source, i) in _rows(graph.nodes).items() if source not in written}
+    written_here = {copies[node] for node in written}
+    row_of = {row: (source, i) for row, (source, i) in _rows(graph.nodes).items() if source not in written_here}
     for key in sorted(groups, key=lambda k: k[0]):
         members = [copies[m] for m in groups[key]]
         with graph.inserting_before(members[0]):
@@ -1113,10 +1113,10 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     _sum_rows_at_once(graph, row_of)
     _concatenate_rows_at_once(graph, row_of)
     if not _reorder(graph, rank):
-        return gm
+        return
     graph.eliminate_dead_code(is_impure_node=_is_impure)
     if operations(graph) >= operations(gm.graph):
-        return gm
+        return
     for name, buffer in work.named_buffers():
         if not hasattr(gm, name):
             gm.register_buffer(name, buffer)
