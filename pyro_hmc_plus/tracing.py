@@ -219,6 +219,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         simplify,  # the reshapes around the products it made
         shrink_broadcasts,
         cheaper_indexing,
+        merge_duplicate_ops,
         vectorize_alike_ops,
         fold_linear_chains,
         fold_constants,
@@ -1048,6 +1049,38 @@ def copy_written_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 node.replace_input_with(written, fresh)
 
 
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _hashable(v)) for k, v in value.items()))
+    return value
+
+
+@_graph_pass
+def merge_duplicate_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Compute once what is computed twice: an op with the same target and the same inputs as
+    an earlier one (Pyro's distributions broadcast their parameters anew at every site, so a
+    loop of sites expands a shared scale once per site), unless either result is written in
+    place."""
+    graph, seen = gm.graph, {}
+    for node in list(graph.nodes):
+        target = node.target
+        if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
+                or target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
+                or target_is_check(node) or _written_through(node)):
+            continue
+        try:
+            key = (target, _hashable(node.args), _hashable(node.kwargs))
+            earlier = seen.setdefault(key, node)
+        except TypeError:  # an argument that cannot be compared
+            continue
+        if earlier is not node:
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
+    graph.eliminate_dead_code(is_impure_node=_is_impure)
+
+
 _MIN_GROUP = 4  # fewer alike ops are left as they are: stacking their operands costs about as much
 
 
@@ -1057,9 +1090,10 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     operands. A model written as a Python loop of one sample site per step (``for t in
     pyro.markov(range(T))``) computes each site's log-density, and its gradient, with the same
     few scalar ops, T times over: T x ~35 operations, each costing a microsecond of dispatch.
-    Ops are alike when they have the same target and non-tensor arguments, results and tensor
-    operands of one shape, operands of one dtype (masks aside), position by position the same
-    dtypes, and are elementwise (torch's ``pointwise`` tag); they are independent when at the
+    Ops are alike when they are elementwise (torch's ``pointwise`` tag) or sums over the same
+    dimensions, with the same target and non-tensor arguments, position by position operands
+    of the same shape and dtype, of one dtype (masks aside), and of the result's shape unless
+    one node broadcast for them all; they are independent when at the
     same depth (longest path from the graph's inputs). A group's operand is the one node all
     its members share, the rows of an earlier group's result (reordered by an
     ``index_select`` where needed), or else a ``stack`` of the members' operands; each member's
@@ -1077,7 +1111,8 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         key = _alike_key(node)
         if key is not None and not written.intersection(node.all_input_nodes) and not _written_through(node):
             groups.setdefault((depth[node],) + key, []).append(node)
-    groups = {key: members for key, members in groups.items() if len(members) >= _MIN_GROUP}
+    groups = {key: members for key, members in groups.items()
+              if len(members) >= _MIN_GROUP and _broadcast_operands_shared(members)}
     if not groups:
         return
     # rewritten on a copy of the graph (the constants are shared, not copied), kept only if
@@ -1088,16 +1123,19 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = work.graph
     # a node that is a row of a tensor -> (the tensor, index); not of one written in place,
     # whose rows are worth reading only where they were read
-    written_here = {copies[node] for node in written}
-    row_of = {row: (source, i) for row, (source, i) in _rows(graph.nodes).items() if source not in written_here}
+    row_of = _rows(graph, {copies[node] for node in written})
     for key in sorted(groups, key=lambda k: k[0]):
         members = [copies[m] for m in groups[key]]
         with graph.inserting_before(members[0]):
             args = [_stacked_operand(graph, [m.args[i] for m in members], row_of) for i in range(len(members[0].args))]
-            result = graph.call_function(members[0].target, tuple(args), dict(members[0].kwargs))
             # numbers are equal in a group (its key); tensor operands may all be one node
             shared = all(not isinstance(a, torch.fx.Node) or all(m.args[i] is a for m in members)
                          for i, a in enumerate(args))
+            target, kwargs = members[0].target, dict(members[0].kwargs)
+            if target in _SUMS and not shared:  # the same dimensions of each row
+                target, args, kwargs = aten.sum.dim_IntList, [args[0], [d + 1 for d in _summed_dims(members[0])],
+                                                              _keeps_dims(members[0])], {}
+            result = graph.call_function(target, tuple(args), kwargs)
             result.meta["val"] = _val(members[0]) if shared else torch.stack([_val(m) for m in members])
             for i, member in enumerate(members):
                 # the same op on the same operands (e.g. a scale's log in every step's density): once
@@ -1227,20 +1265,52 @@ def _concatenate_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
         node.replace_all_uses_with(whole)
 
 
+def _broadcast_operands_shared(members: list) -> bool:
+    """Whether every operand that a group's ops broadcast to their result's shape is the same
+    node for all of them (stacked, different ones would broadcast along the wrong axes)."""
+    shape = _val(members[0]).shape
+    for i, a in enumerate(members[0].args):
+        if isinstance(a, torch.fx.Node) and _val(a).shape != shape and members[0].target not in _SUMS:
+            if any(m.args[i] is not a for m in members):
+                return False
+    return True
+
+
+_SUMS = {aten.sum.dim_IntList, aten.sum.default}
+
+
+def _summed_dims(node) -> list:
+    """The dimensions (non-negative, sorted) that a ``sum`` node sums over."""
+    rank = _val(node.args[0]).dim()
+    dims = node.args[1] if node.target is aten.sum.dim_IntList and len(node.args) > 1 else None
+    return sorted(d % rank for d in dims) if dims else list(range(rank))
+
+
+def _keeps_dims(node) -> bool:
+    return bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+
+
 def _alike_key(node):
     """What must be equal for ``node`` to be computed with others in one op, or ``None``."""
-    if not _is_pointwise(node):  # elementwise: k of them on stacked operands are one op
-        return None
     out = _val(node)
     if not torch.is_tensor(out):
+        return None
+    if node.target in _SUMS:  # k sums over the same dimensions of alike tensors: one sum
+        x = node.args[0]
+        if (not isinstance(x, torch.fx.Node) or not torch.is_tensor(_val(x)) or _val(x).dim() == 0
+                or set(node.kwargs) - {"keepdim"}):
+            return None
+        return ("sum", tuple(_val(x).shape), _val(x).dtype, tuple(_summed_dims(node)), _keeps_dims(node))
+    if not _is_pointwise(node):  # elementwise: k of them on stacked operands are one op
         return None
     pattern, dtypes = [], set()
     for a in node.args:
         if isinstance(a, torch.fx.Node):
             v = _val(a)
-            if not torch.is_tensor(v) or v.shape != out.shape:
+            if not torch.is_tensor(v) or (v.shape != out.shape and v.dim() > out.dim()):
                 return None
-            pattern.append(("tensor", v.dtype))
+            # an operand broadcast to the result's shape must be one node for the whole group
+            pattern.append(("tensor", v.dtype, tuple(v.shape)))
             if v.dtype != torch.bool:  # masks take no part in type promotion
                 dtypes.add(v.dtype)
         elif isinstance(a, (int, float, bool)) or a is None:
@@ -1291,15 +1361,17 @@ def _stacked_operand(graph, operands: list, row_of: dict):
     return picked
 
 
-def _rows(nodes) -> dict:
-    """The nodes that are rows of another: ``x.select(0, i)``, and the one-element pieces of
-    a vector split into sites (``split_with_sizes`` then a view to a number):
-    ``{row: (tensor, index)}``."""
-    rows = {}
-    for node in nodes:
+def _rows(graph: torch.fx.Graph, written: set) -> dict:
+    """The nodes that are rows of another, ``{row: (tensor, index)}``, not counting tensors in
+    ``written``: ``x.select(0, i)``, and the pieces of a vector split into sites
+    (``split_with_sizes``, then a view to the site's shape). One-element pieces are rows of
+    the vector; a run of pieces of one size, rows of a view of that part of it as a matrix
+    (added to ``graph``, where unused it is dropped with the dead code)."""
+    rows, blocks = {}, {}
+    for node in list(graph.nodes):
         if node.op == "call_function" and node.target is aten.select.int and node.args[1] == 0:
             source = _val(node.args[0])
-            if torch.is_tensor(source):
+            if torch.is_tensor(source) and node.args[0] not in written:
                 rows[node] = (node.args[0], node.args[2] % source.shape[0])
             continue
         if node.op != "call_function" or node.target is not aten.view.default or not node.args:
@@ -1311,9 +1383,30 @@ def _rows(nodes) -> dict:
         split = piece.args[0]
         vector, sizes = split.args[0], split.args[1]
         dim = split.args[2] if len(split.args) > 2 else 0
-        v, j = _val(vector), piece.args[1]
-        if torch.is_tensor(v) and v.dim() == 1 and dim in (0, -1) and sizes[j] == 1 and _val(node).dim() == 0:
+        v, j, out = _val(vector), piece.args[1], _val(node)
+        if not (torch.is_tensor(v) and v.dim() == 1 and dim in (0, -1) and torch.is_tensor(out)) or vector in written:
+            continue
+        size = sizes[j]
+        if size == 1 and out.dim() == 0:
             rows[node] = (vector, sum(sizes[:j]))
+            continue
+        if out.numel() != size:
+            continue
+        first, last = j, j  # the run of pieces of this size around this one
+        while first > 0 and sizes[first - 1] == size:
+            first -= 1
+        while last + 1 < len(sizes) and sizes[last + 1] == size:
+            last += 1
+        key = (split, first, tuple(out.shape))
+        if key not in blocks:
+            start, count = sum(sizes[:first]), last - first + 1
+            with graph.inserting_before(node):
+                part = graph.call_function(aten.slice.Tensor, (vector, 0, start, start + count * size))
+                part.meta["val"] = v[start:start + count * size]
+                block = graph.call_function(aten.view.default, (part, [count] + list(out.shape)))
+                block.meta["val"] = _val(part).view([count] + list(out.shape))
+            blocks[key] = block
+        rows[node] = (blocks[key], j - first)
     return rows
 
 

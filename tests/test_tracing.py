@@ -310,10 +310,31 @@ def _gamma_beta_poisson_loop(counts):
         pyro.sample(f"c_{i}", dist.Poisson(r * p + 0.1), obs=counts[i])
 
 
+def _vector_ar_loop(y):
+    """A vector-valued AR(1) state per step (``Normal(...).to_event(1)``: sums over the last
+    dimension) with a shared scale that every step's Normal broadcasts anew."""
+    s = pyro.sample("s", dist.HalfNormal(1.0))
+    x = torch.zeros(3)
+    for t in range(y.shape[0]):
+        x = pyro.sample(f"x_{t}", dist.Normal(0.9 * x, s).to_event(1))
+        pyro.sample(f"y_{t}", dist.Normal(x, 0.3).to_event(1), obs=y[t])
+
+
+def _stochastic_volatility_loop(returns):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    sigma = pyro.sample("sigma", dist.HalfNormal(0.5))
+    h = mu
+    for t in range(len(returns)):
+        h = pyro.sample(f"h_{t}", dist.Normal(mu + 0.9 * (h - mu), sigma))
+        pyro.sample(f"r_{t}", dist.Normal(0.0, torch.exp(h / 2)), obs=returns[t])
+
+
 @pytest.mark.parametrize("model, data, fewer", [
     (ar1_loop, torch.sin(torch.arange(30.0)), 5.0),
     (_gamma_beta_poisson_loop, torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0, 1.0, 4.0, 3.0]), 1.4),
-], ids=["ar1", "gamma_beta_poisson"])
+    (_vector_ar_loop, torch.cos(torch.arange(60.0)).reshape(20, 3), 1.5),
+    (_stochastic_volatility_loop, 0.5 * torch.sin(torch.arange(30.0)), 5.0),
+], ids=["ar1", "gamma_beta_poisson", "vector_ar1", "stochastic_volatility"])
 def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(model, data, fewer, monkeypatch):
     """A model written as a Python loop of one site per step computes the same scalar ops for
     every step: vectorize_alike_ops computes them as vector ops. Fewer operations by the
@@ -333,6 +354,29 @@ def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(
         U_ref, g_ref = flat.value_and_grad(z)
         for U, g in (engine.value_and_grad(z), (U_b, g_b)):
             assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_an_op_repeated_on_the_same_inputs_is_computed_once():
+    """merge_duplicate_ops: the same op on the same inputs runs once, unless its result is
+    written in place (then each stays a tensor of its own)."""
+
+    def fn(x, s):
+        a = s.expand(3) * x
+        b = s.expand(3) * x  # the same twice
+        kept = s.expand(3) * 1.5
+        written = s.expand(3) * 1.5  # equal to kept, but written in place below
+        written.add_(x)
+        return a + b + kept, written
+
+    x, s = torch.randn(3), torch.tensor(2.0)
+    gm = tracing.trace(fn, (x, s), check_escapes=False)
+    targets = [node.target for node in gm.graph.nodes]
+    assert targets.count(torch.ops.aten.expand.default) == 1
+    assert targets.count(torch.ops.aten.mul.Tensor) == 3  # a (= b), kept, written
+    for _ in range(3):
+        x, s = torch.randn(3), torch.randn(())
+        for a, b in zip(gm(x, s), fn(x, s)):
+            assert torch.allclose(a, b)
 
 
 def test_sums_and_concatenations_of_vectorized_rows_become_one_op_each():
