@@ -1298,7 +1298,7 @@ def _alike_key(node):
     if node.target in _SUMS:  # k sums over the same dimensions of alike tensors: one sum
         x = node.args[0]
         if (not isinstance(x, torch.fx.Node) or not torch.is_tensor(_val(x)) or _val(x).dim() == 0
-                or set(node.kwargs) - {"keepdim"}):
+                or len(node.args) > 3 or set(node.kwargs) - {"keepdim"}):  # no dtype argument
             return None
         return ("sum", tuple(_val(x).shape), _val(x).dtype, tuple(_summed_dims(node)), _keeps_dims(node))
     if not _is_pointwise(node):  # elementwise: k of them on stacked operands are one op
