@@ -1205,13 +1205,7 @@ def _sum_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
         with graph.inserting_before(root):
             kept = []  # the sums first: a term may be a number, which cannot start an add
             for rows, ts in by_rows.items():
-                indices = sorted(row_of[t][1] for t in ts)
-                picked = rows
-                if indices != list(range(_val(rows).shape[0])):
-                    index = torch.tensor(indices, device=_val(rows).device)
-                    picked = graph.call_function(
-                        aten.index_select.default, (rows, 0, _constant_node(graph.owning_module, "_rows_", index)))
-                    picked.meta["val"] = _val(rows).index_select(0, index)
+                picked = _pick_rows(graph, rows, sorted(row_of[t][1] for t in ts))
                 total = graph.call_function(aten.sum.dim_IntList, (picked, [0]))
                 total.meta["val"] = _val(picked).sum(0)
                 kept.append(total)
@@ -1249,14 +1243,8 @@ def _concatenate_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
             for source, pieces, indices in runs:
                 if source is None or len(pieces) == 1:
                     parts.extend(pieces)
-                elif indices == list(range(_val(source).shape[0])):
-                    parts.append(source)
                 else:
-                    index = torch.tensor(indices, device=_val(source).device)
-                    picked = graph.call_function(
-                        aten.index_select.default, (source, 0, _constant_node(graph.owning_module, "_rows_", index)))
-                    picked.meta["val"] = _val(source).index_select(0, index)
-                    parts.append(picked)
+                    parts.append(_pick_rows(graph, source, indices))
             if len(parts) == 1:
                 whole = graph.call_function(aten.clone.default, (parts[0],))  # cat's result is its own tensor
             else:
@@ -1334,13 +1322,10 @@ def _stacked_operand(graph, operands: list, row_of: dict):
         return first
     others = list(dict.fromkeys(o for o in operands if o not in row_of))
     if len(others) * 2 > len(operands):  # mostly not rows: a stack is the cheapest
-        stacked = graph.call_function(aten.stack.default, (list(operands),))
-        stacked.meta["val"] = torch.stack([_val(o) for o in operands])
-        return stacked
+        return _stack(graph, list(operands))
     row_of = dict(row_of)
     if others:  # the few that are not rows become the rows of their own stack
-        stacked = graph.call_function(aten.stack.default, (others,))
-        stacked.meta["val"] = torch.stack([_val(o) for o in others])
+        stacked = _stack(graph, others)
         row_of.update((o, (stacked, i)) for i, o in enumerate(others))
     sources, offsets = [], {}
     for o in operands:
@@ -1353,6 +1338,18 @@ def _stacked_operand(graph, operands: list, row_of: dict):
     if len(sources) > 1:
         rows = graph.call_function(aten.cat.default, (sources,))
         rows.meta["val"] = torch.cat([_val(s) for s in sources])
+    return _pick_rows(graph, rows, indices)
+
+
+def _stack(graph: torch.fx.Graph, nodes: list) -> torch.fx.Node:
+    stacked = graph.call_function(aten.stack.default, (nodes,))
+    stacked.meta["val"] = torch.stack([_val(n) for n in nodes])
+    return stacked
+
+
+def _pick_rows(graph: torch.fx.Graph, rows: torch.fx.Node, indices: list):
+    """The rows ``indices`` of ``rows``, in that order: ``rows`` itself where that is all of
+    them in order, else one ``index_select`` by a constant index."""
     if indices == list(range(_val(rows).shape[0])):
         return rows
     index = torch.tensor(indices, device=_val(rows).device)
