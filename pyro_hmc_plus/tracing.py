@@ -110,6 +110,7 @@ class _AtenRecorder(TorchDispatchMode):
         self._node_of = {}  # id(tensor) -> node
         self._alive = []  # the tensors of _node_of, so that their ids are not reused
         self._constants = 0
+        self._unwritten_constants = {}  # storage address -> constant node, until first written
 
     @classmethod
     def _should_skip_dynamo(cls):
@@ -135,12 +136,25 @@ class _AtenRecorder(TorchDispatchMode):
             node = self.graph.get_attr(name)
             self.bind(tensor, node)
             node.meta["val"] = value
+            self._unwritten_constants[value.untyped_storage().data_ptr()] = node
         return node
+
+    def _keep_constant_values(self, written):
+        """Before an in-place op writes into a constant (``c = torch.tensor([1., 2.]);
+        c[0] += x``), give the graph a copy of the constant's value: it is what the model
+        starts from at every run, and the tensor itself is about to change."""
+        for tensor in written:
+            node = self._unwritten_constants.pop(tensor.untyped_storage().data_ptr(), None)
+            if node is not None:
+                value = getattr(self.root, node.target).clone()
+                setattr(self.root, node.target, value)
+                node.meta["val"] = value
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         node_args, node_kwargs = tree_map_only(torch.Tensor, self.node_for, (args, kwargs))
+        self._keep_constant_values([t for t in _written_arguments(func, args, kwargs) if torch.is_tensor(t)])
+        out = func(*args, **kwargs)
         node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
         if isinstance(out, torch.Tensor):
             self.bind(out, node)  # an in-place op rebinds its tensor: later readers follow it
@@ -415,10 +429,14 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Evaluate, once, every node whose inputs are all constants; drop aliasing no-ops.
 
     Random ops (tagged ``nondeterministic_seeded``) are never folded, so a model that draws
-    inside its potential keeps drawing. Error checks on constants that passed at trace time
-    (``_linalg_check_errors``) are removed; checks on inputs stay.
+    inside its potential keeps drawing. Nor is a tensor that an in-place op writes, nor any
+    view of it (``probs = zeros(n, 3); probs[:, 0] = f(z)``, as in ``OrderedLogistic``): its
+    value at the op that made it is not the value later readers see. Error checks on
+    constants that passed at trace time (``_linalg_check_errors``) are removed; checks on
+    inputs stay.
     """
     graph = gm.graph
+    written = _written_storage(graph.nodes)
     const = {}
     for node in list(graph.nodes):
         if node.op == "get_attr":
@@ -429,6 +447,8 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.target in _ALIASES:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
+            continue
+        if node in written:  # so no in-place op is folded either: it writes into one of these
             continue
         inputs = node.all_input_nodes
         target = node.target
@@ -444,9 +464,8 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             torch.Tag.nondeterministic_seeded in target.tags
         ):
             continue
-        written = _written_inputs(node)  # evaluated on copies: other users read the originals
-        args = torch.fx.node.map_arg(node.args, lambda n: const[n].clone() if n in written else const[n])
-        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: const[n].clone() if n in written else const[n])
+        args = torch.fx.node.map_arg(node.args, lambda n: const[n])
+        kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: const[n])
         const[node] = target(*args, **kwargs)
     for node in list(graph.nodes):
         if node not in const or node.op == "get_attr":
@@ -1035,18 +1054,16 @@ def target_is_check(node) -> bool:
 
 @_graph_pass
 def copy_written_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Give every in-place write into a constant (a folded ``zeros_like(x)`` that
-    ``scatter_`` then fills, as in ``cumprod``'s gradient under a simplex site) a fresh copy
-    of it at every call: written into directly, the constant would keep one call's writes
-    for the next."""
+    """Give every constant that an in-place op writes, directly or through a view
+    (``c = torch.tensor([1., 2.]); c[0] += f(z)``), a fresh copy at every call, which all its
+    readers read: written into directly, the constant would keep one call's writes for the
+    next, where the model makes a new tensor at every run."""
     graph = gm.graph
-    for node in list(graph.nodes):
-        for written in _written_inputs(node):
-            if written.op == "get_attr":
-                with graph.inserting_before(node):
-                    fresh = graph.call_function(aten.clone.default, (written,))
-                fresh.meta.update(written.meta)
-                node.replace_input_with(written, fresh)
+    for constant in [n for n in _written_storage(graph.nodes) if n.op == "get_attr"]:
+        with graph.inserting_after(constant):
+            fresh = graph.call_function(aten.clone.default, (constant,))
+        fresh.meta.update(constant.meta)
+        constant.replace_all_uses_with(fresh, delete_user_cb=lambda user: user is not fresh)
 
 
 def _hashable(value):
@@ -1102,7 +1119,7 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     write after the reads before it and before the reads after it. Where that is impossible,
     or the graph would not have fewer operations, it is left as it was."""
     nodes = list(gm.graph.nodes)
-    written = set().union(*(_aliases(w) for node in nodes for w in _written_inputs(node)))
+    written = _written_storage(nodes)
     depth = {}
     for node in nodes:
         depth[node] = 1 + max((depth[a] for a in node.all_input_nodes), default=-1)
@@ -1453,17 +1470,25 @@ def _reorder(graph: torch.fx.Graph, rank: dict) -> bool:
     return True
 
 
+def _written_arguments(op, args, kwargs) -> list:
+    """The arguments that the aten overload ``op`` writes in place (its schema's mutable ones)."""
+    return [
+        args[i] if i < len(args) else kwargs.get(argument.name)
+        for i, argument in enumerate(op._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
+
+
 def _written_inputs(node) -> set:
-    """The input nodes that ``node``'s op writes to in place (its schema's mutable arguments)."""
+    """The input nodes that ``node``'s op writes to in place."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return set()
-    written = set()
-    for i, argument in enumerate(node.target._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
-            value = node.args[i] if i < len(node.args) else node.kwargs.get(argument.name)
-            if isinstance(value, torch.fx.Node):
-                written.add(value)
-    return written
+    return {v for v in _written_arguments(node.target, node.args, node.kwargs) if isinstance(v, torch.fx.Node)}
+
+
+def _written_storage(nodes) -> set:
+    """The nodes among ``nodes`` (and their views) whose memory some in-place op writes."""
+    return set().union(*(_aliases(w) for node in nodes for w in _written_inputs(node)))
 
 
 def _written_through(node) -> bool:

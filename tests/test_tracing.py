@@ -600,10 +600,11 @@ def _first_positive_potential(p):
 
 
 def test_a_constant_written_in_place_is_fresh_at_every_call():
-    """``zeros_like(x)`` is folded into a constant; an in-place write into it (as in
-    ``cumprod``'s gradient, under a simplex site's stick-breaking transform) used to write
-    into the constant itself, so each call started from the previous call's writes. The
-    program now writes into a copy: the same values as eager autograd, point after point."""
+    """``zeros_like(x)`` depends on the shape only, but an in-place write fills it (as in
+    ``cumprod``'s gradient, under a simplex site's stick-breaking transform). Folded into a
+    constant, it was written into itself, so each call started from the previous call's
+    writes; it is now made at every call: the same values as eager autograd, point after
+    point."""
     flat = from_potential_fn(_first_positive_potential, {"x": torch.tensor([-1.0, 2.0, 3.0])})
     with warnings.catch_warnings():
         warnings.simplefilter("error", EngineFallbackWarning)
@@ -613,6 +614,66 @@ def test_a_constant_written_in_place_is_fresh_at_every_call():
         U, g = engine.value_and_grad(z)
         U0, g0 = flat.value_and_grad(z)
         torch.testing.assert_close((U, g), (U0, g0))
+
+
+def _buffer_filled_in_place_potential(p):
+    x = p["x"]
+    probs = torch.zeros(3)  # filled in place, then read: as Pyro's OrderedLogistic does
+    probs[0] = torch.sigmoid(x[0])
+    probs[1:] = torch.exp(x[1:])
+    return -(probs / probs.sum()).log().sum()
+
+
+def _tensor_updated_in_place_potential(p):
+    x = p["x"]
+    offset = torch.tensor([1.0, 2.0, 3.0])  # a new tensor at every run of the model
+    offset[0] += x.sum()
+    offset.mul_(x)
+    return 0.5 * (offset**2).sum()
+
+
+@pytest.mark.parametrize("potential", [_buffer_filled_in_place_potential, _tensor_updated_in_place_potential])
+def test_tensors_the_model_makes_and_then_writes_in_place_are_not_constants(potential):
+    """A tensor made from constants (``zeros``, ``torch.tensor``) and then written in place
+    is not a constant: folding it gave its value before the writes to later readers (NaN:
+    ``probs.sum()`` was 0), and a ``torch.tensor`` written in place kept one call's writes
+    for the next (and the trace's own writes from the start). Both are made fresh at each
+    call now, and the program agrees with eager autograd, point after point."""
+    flat = from_potential_fn(potential, {"x": torch.tensor([0.3, -0.5, 1.0])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    gen = torch.Generator().manual_seed(4)
+    points = [torch.randn(3, generator=gen) for _ in range(4)]
+    _assert_engine_matches_eager(engine, points + points[:1], torch.randn(4, 3, generator=gen), rtol=1e-5)
+
+
+def test_ordered_logistic_regression_is_traced_and_matches_pyro():
+    """Pyro's ``OrderedLogistic`` fills its probabilities in place; with ordered cutpoints
+    (``ImproperUniform(ordered_vector)``, which needs ``init_to_value`` and
+    ``max_plate_nesting``: it cannot be sampled) the model is traced (it fell back to eager
+    autograd) and agrees with Pyro's potential at random points."""
+    from pyro.distributions import constraints
+    from pyro.infer.autoguide import init_to_value
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, generator=gen)
+    latent = 1.2 * x + torch.randn(200, generator=gen)
+    y = (latent > -1).long() + (latent > 0.5).long()
+
+    def ordered_logistic(x, y):
+        b = pyro.sample("b", dist.Normal(0.0, 3.0))
+        c = pyro.sample("c", dist.ImproperUniform(constraints.ordered_vector, (), (2,)))
+        with pyro.plate("n", len(y)):
+            pyro.sample("y", dist.OrderedLogistic(b * x, c), obs=y)
+
+    init = init_to_value(values={"c": torch.tensor([-1.0, 1.0])})
+    flat = from_model(ordered_logistic, (x, y), init_strategy=init, max_plate_nesting=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    points = [flat.initial_z + torch.randn(3, generator=gen) for _ in range(3)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-4)
 
 
 def test_a_fake_tensor_trace_refuses_to_promise_an_escape_check():
