@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import pyro
 import torch
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_value
 from pyro.poutine.util import site_is_subsample
 
 STAT_NAMES = ("lp", "energy", "diverging", "acceptance_rate", "step_size", "tree_depth", "n_steps",
@@ -69,6 +70,14 @@ def _split_stats(stats: List[dict], num_draws: int):
         first = sum(s["warmup"])
         post.append({n: s[n][first : first + num_draws] for n in names})
     return warm, stack(post)
+
+
+def _starting_at(model, draw: Dict[str, torch.Tensor]):
+    """``model`` with its latent sites set to ``draw`` (one posterior draw, constrained)
+    wherever nothing else sets them: the runs that ArviZ's export makes for the shapes of the
+    sites (here, and Pyro's ``Predictive`` before it conditions on the draws) then work for
+    priors that cannot be sampled (``ImproperUniform``). Observed sites stay observed."""
+    return InitMessenger(init_to_value(values=draw))(model)
 
 
 def _model_trace(model, args, kwargs):
@@ -119,7 +128,8 @@ def to_inference_data(
         ``pyro.infer.Predictive``.
     :param dict constant_data: extra data to store (``{name: array}``).
     """
-    samples = {k: v.detach().cpu().numpy() for k, v in mcmc.get_samples(group_by_chain=True).items()}
+    by_chain = mcmc.get_samples(group_by_chain=True)
+    samples = {k: v.detach().cpu().numpy() for k, v in by_chain.items()}
     num_chains, num_draws = next(iter(samples.values())).shape[:2]
     stats = chain_sample_stats(mcmc)
     warm_stats, post_stats = _split_stats(stats, num_draws)
@@ -128,6 +138,7 @@ def to_inference_data(
     all_dims = {}
     observed, loglik = {}, {}
     if model is not None:
+        model = _starting_at(model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]})
         trace = _model_trace(model, args, kwargs)
         all_dims = plate_dims(trace)
         observed = {
@@ -136,7 +147,8 @@ def to_inference_data(
             if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
         }
         if log_likelihood and observed:
-            loglik = _pointwise_log_likelihood(model, args, kwargs, mcmc.get_samples(), observed, num_chains, num_draws)
+            draws = _shaped_for_plates(mcmc.get_samples(), trace)
+            loglik = _pointwise_log_likelihood(model, args, kwargs, draws, observed, num_chains, num_draws)
     all_dims.update(dims or {})
     groups = dict(posterior=samples, sample_stats=post_stats)
     if loglik:
@@ -169,6 +181,22 @@ def _from_dict(groups: dict, coords, dims, save_warmup: bool):
     if int(az.__version__.split(".")[0]) >= 1:
         return az.from_dict(groups, coords=coords, dims=dims, save_warmup=save_warmup)
     return az.from_dict(**groups, coords=coords, dims=dims, save_warmup=save_warmup)
+
+
+def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace) -> Dict[str, torch.Tensor]:
+    """Each site's draws ``(draws, *value shape)`` with a 1 inserted after the draws for
+    every plate the site is outside of, so that the draws' dimension lies left of every
+    plate of the model, where ``Predictive`` 's vectorised replay puts it. ``Predictive``
+    pads by the number of dimensions of a value, taking them all as batch dimensions: a
+    latent vector (``to_event(1)``) would land its draws in a plate's dimension."""
+    nesting = max((-frame.dim for site in trace.nodes.values() if site["type"] == "sample"
+                   for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
+    shaped = {}
+    for name, value in samples.items():
+        site = trace.nodes.get(name)
+        batch_ndim = value.dim() - 1 - (site["fn"].event_dim if site is not None else 0)
+        shaped[name] = value.reshape(value.shape[:1] + (1,) * max(nesting - batch_ndim, 0) + value.shape[1:])
+    return shaped
 
 
 def _pointwise_log_likelihood(model, args, kwargs, samples, observed, num_chains, num_draws):

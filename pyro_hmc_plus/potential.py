@@ -174,9 +174,11 @@ def from_model(
         )
     except NotImplementedError as e:
         raise NotImplementedError(
-            f"{e}. pyro_hmc_plus samples continuous latent sites (discrete sites only when Pyro "
-            "can enumerate them); remove subsampling and give discrete sites finite support, "
-            "or marginalise them out."
+            f"{e}. HMC and NUTS need a model without subsampling (`subsample_size`), with "
+            "discrete latent sites only where Pyro can enumerate them (finite support; else "
+            "marginalise them out), and a starting value for every latent site: a prior that "
+            "cannot be sampled (e.g. ImproperUniform) needs "
+            "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
     except RuntimeError as e:
         if "valid initial" in str(e) or "initial" in str(e).lower():

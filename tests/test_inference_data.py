@@ -57,6 +57,33 @@ def test_export_has_every_group_with_shapes_dtypes_and_plate_dims(schools_run):
     assert renamed.posterior["theta_raw"].dims == ("chain", "draw", "school")
 
 
+def test_a_prior_that_cannot_be_sampled_is_exported():
+    """The export traces the model for its plates and observed data. It sampled the prior
+    for that, so a model with ``ImproperUniform`` failed at the end of ``run()`` (in the
+    diagnostics), after all its draws. It now replays a posterior draw."""
+    from pyro.distributions import constraints
+    from pyro.infer.autoguide import init_to_value
+
+    y = torch.tensor([[-1.0, 0.5], [-0.5, 1.5], [-1.5, 1.0]])
+
+    def model(y):
+        c = pyro.sample("c", dist.ImproperUniform(constraints.ordered_vector, (), (2,)))
+        with pyro.plate("n", len(y)):
+            pyro.sample("y", dist.Normal(c, 1.0).to_event(1), obs=y)
+
+    pyro.set_rng_seed(0)
+    kernel = NUTS(model, init_strategy=init_to_value(values={"c": torch.tensor([-1.0, 1.0])}), max_plate_nesting=1)
+    mcmc = MCMC(kernel, num_samples=30, warmup_steps=30, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SamplingWarning)  # 30 draws: too few for ESS
+        mcmc.run(y)
+    idata = to_inference_data(mcmc)
+    assert idata.posterior["c"].shape == (1, 30, 2)
+    assert (np.diff(idata.posterior["c"].values, axis=-1) > 0).all()
+    assert idata.log_likelihood["y"].dims == ("chain", "draw", "n")
+    np.testing.assert_array_equal(idata.observed_data["y"], y.numpy())
+
+
 def test_arviz_functions_and_plots_run(schools_run, tmp_path):
     import matplotlib.pyplot as plt
 

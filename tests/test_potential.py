@@ -84,3 +84,24 @@ def test_non_enumerable_discrete_site_gets_clear_error():
 
     with pytest.raises(Exception, match="(?i)enumerat|discrete|support"):
         from_model(model)
+
+
+def _subsampled(y):
+    m = pyro.sample("m", dist.Normal(0.0, 1.0))
+    with pyro.plate("n", len(y), subsample_size=2) as i:
+        pyro.sample("y", dist.Normal(m, 1.0), obs=y[i])
+
+
+def _improper_prior():
+    pyro.sample("c", dist.ImproperUniform(dist.constraints.ordered_vector, (), (2,)))
+
+
+@pytest.mark.parametrize("model, args, what", [
+    (_subsampled, (torch.zeros(5),), "subsampling"),
+    (_improper_prior, (), "init_to_value"),
+])
+def test_models_hmc_cannot_set_up_get_an_error_that_names_the_remedy(model, args, what):
+    """Pyro refuses both (subsampling; a prior it cannot sample for a starting value); the
+    error keeps Pyro's message and says what to change."""
+    with pytest.raises(NotImplementedError, match=what):
+        from_model(model, args)
