@@ -1074,13 +1074,28 @@ def _hashable(value):
     return value
 
 
+_MERGED_CONSTANT_SIZE = 16  # elements: larger constants (data) are not compared
+
+
 @_graph_pass
 def merge_duplicate_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Compute once what is computed twice: an op with the same target and the same inputs as
     an earlier one (Pyro's distributions broadcast their parameters anew at every site, so a
     loop of sites expands a shared scale once per site), unless either result is written in
-    place."""
+    place. Small constants equal bit for bit are one constant first (each step of a loop
+    folds its own ``0.9`` or ``1 / 0.3 ** 2``): the ops that read them then merge too, and
+    :func:`vectorize_alike_ops` sees one operand shared by the steps."""
     graph, seen = gm.graph, {}
+    for node in list(graph.nodes):
+        value = getattr(gm, node.target) if node.op == "get_attr" else None
+        if not (torch.is_tensor(value) and value.numel() <= _MERGED_CONSTANT_SIZE) or _written_through(node):
+            continue
+        flat = value.detach().new_empty(value.numel()).copy_(value.detach().reshape(-1))  # unit strides
+        bits = flat.view(torch.uint8).cpu().numpy().tobytes()
+        earlier = seen.setdefault(("constant", value.dtype, value.shape, value.device, bits), node)
+        if earlier is not node:
+            node.replace_all_uses_with(earlier)
+            graph.erase_node(node)
     for node in list(graph.nodes):
         target = node.target
         if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
