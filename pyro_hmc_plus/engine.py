@@ -185,16 +185,18 @@ class GradientEngine:
     def _batched_graph(self, n: int):
         """The gradient graph for ``n`` points at once, ``(n, D) -> ((n,), (n, D))``: traced once
         per ``n`` from ``vmap`` of the single-point graph (also in the middle of recording a
-        program, be it a TorchScript recording or a compiler's fake-tensor trace), or
-        ``None`` if an op of the graph has no batching rule (e.g. an in-place scatter), in
-        which case the points go through the single-point graph one by one. Recorded at
-        copies of the initial point (where the model is known to evaluate), whatever the
-        engine, so every engine inlines the same graph."""
+        program, be it a TorchScript recording or a compiler's fake-tensor trace),
+        functionalized first: its in-place ops (the ``scatter_`` in the gradients of simplex
+        and ``LKJCholesky`` sites) have no batching rules, their out-of-place forms do.
+        ``None`` if vmap fails, in which case the points go through the single-point graph
+        one by one. Recorded at copies of the initial point (where the model is known to
+        evaluate), whatever the engine, so every engine inlines the same graph."""
         if n not in self._batched_graphs:
             try:
                 with _compile.outside_traces():
                     example = self.flat.initial_z.expand(n, -1).clone()
-                    graph = tracing.trace(torch.func.vmap(self._graph), (example,), check_escapes=False)
+                    batched = torch.func.vmap(torch.func.functionalize(self._graph))
+                    graph = tracing.trace(batched, (example,), check_escapes=False)
             except (tracing.UntraceableModel, NotImplementedError):
                 graph = None
             self._batched_graphs[n] = graph
