@@ -102,7 +102,13 @@ class _AtenRecorder(TorchDispatchMode):
     every fresh process, a third of a short NUTS run). Tensors are known by identity (all
     kept alive while recording); one that no recorded operation produced and that is not
     an input (the model's data, parameters) becomes a constant of the graph. Each node's
-    ``meta["val"]`` is the tensor it computed, for the simplification passes."""
+    ``meta["val"]`` is the tensor it computed, for the simplification passes.
+
+    One op is recorded with an operand made explicit: ``vmap`` calls
+    ``log_sigmoid_backward`` (the stick-breaking transform's gradient, under every simplex
+    site) with the incoming gradient unbatched, and its CPU kernel then resizes its output
+    to the batch with a C++ warning, thousands of lines on every many-chain run. The
+    gradient is expanded to the input's shape first: the same values, no warning."""
 
     def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module):
         super().__init__()
@@ -152,6 +158,8 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is aten.log_sigmoid_backward.default and args[0].shape != args[1].shape:
+            args = (self.__torch_dispatch__(aten.expand.default, types, (args[0], list(args[1].shape))),) + args[1:]
         node_args, node_kwargs = tree_map_only(torch.Tensor, self.node_for, (args, kwargs))
         self._keep_constant_values([t for t in _written_arguments(func, args, kwargs) if torch.is_tensor(t)])
         out = func(*args, **kwargs)
