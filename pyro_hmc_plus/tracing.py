@@ -158,8 +158,10 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is aten.log_sigmoid_backward.default and args[0].shape != args[1].shape:
-            args = (self.__torch_dispatch__(aten.expand.default, types, (args[0], list(args[1].shape))),) + args[1:]
+        if func is aten.log_sigmoid_backward.default:
+            shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+            if args[0].shape != shape:
+                args = (self.__torch_dispatch__(aten.expand.default, types, (args[0], list(shape))),) + args[1:]
         node_args, node_kwargs = tree_map_only(torch.Tensor, self.node_for, (args, kwargs))
         self._keep_constant_values([t for t in _written_arguments(func, args, kwargs) if torch.is_tensor(t)])
         out = func(*args, **kwargs)
