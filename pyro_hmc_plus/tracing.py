@@ -244,12 +244,17 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         shrink_broadcasts,
         cheaper_indexing,
         merge_duplicate_ops,
-        vectorize_alike_ops,
-        fold_linear_chains,
-        fold_constants,
-        copy_written_constants,
     ):
         graph_pass(gm, recompile=False)
+    # vectorized or not, whichever has fewer operations once finished: a round of
+    # vectorize_alike_ops counts its own savings, and the passes after it may then fold less
+    vectorized = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    vectorize_alike_ops(vectorized, recompile=False)
+    for candidate in (vectorized, gm):
+        for graph_pass in (fold_linear_chains, fold_constants, copy_written_constants):
+            graph_pass(candidate, recompile=False)
+    if operations(vectorized.graph) < operations(gm.graph):
+        gm = vectorized
     gm.recompile()
     gm.meta["elements_touched"] = elements_touched(gm)
     if not fake:  # the recorded values: no longer needed, and as large as the model's data
