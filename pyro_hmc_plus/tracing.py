@@ -1192,11 +1192,10 @@ def _groups_of_independent_ops(nodes: list) -> List[list]:
     ops) that do not depend on each other, greedily in graph order (each joins the first
     group holding none of its ancestors), by their first member's position; less the groups
     that would order each other both ways."""
-    by_place: Dict[tuple, list] = {}  # the same op at the same place of each step's ops
+    candidates: Dict[tuple, list] = {}  # the same op at the same place of each step's ops
     for key, members in _alike_candidates(nodes).items():
         for node in members:
-            by_place.setdefault((key, _provenance(node, 3)), []).append(node)
-    candidates = by_place
+            candidates.setdefault((key, _provenance(node, 3)), []).append(node)
     bit = {node: 1 << i for i, node in enumerate(n for members in candidates.values() for n in members)}
     ancestors = {}  # node -> the bits of its candidate ancestors
     for node in nodes:
