@@ -174,17 +174,17 @@ def from_model(
         )
     except NotImplementedError as e:
         raise NotImplementedError(
-            f"{e}. HMC and NUTS need a model without subsampling (`subsample_size`), with "
-            "discrete latent sites only where Pyro can enumerate them (finite support; else "
-            "marginalise them out), and a starting value for every latent site: a prior that "
-            "cannot be sampled (e.g. ImproperUniform) needs "
+            f"{str(e).rstrip('.')}. HMC and NUTS need a model without subsampling "
+            "(`subsample_size`), with discrete latent sites only where Pyro can enumerate them "
+            "(finite support; else marginalise them out), and a starting value for every latent "
+            "site: a prior that cannot be sampled (e.g. ImproperUniform) needs "
             "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
     except RuntimeError as e:
         if "valid initial" in str(e) or "initial" in str(e).lower():
             raise RuntimeError(
-                f"{e}. The potential energy was not finite at any initial point the init "
-                "strategy tried: check the model's data and priors, or pass finite "
+                f"{str(e).rstrip('.')}. The potential energy was not finite at any initial point "
+                "the init strategy tried: check the model's data and priors, or pass finite "
                 "`initial_params` (or another `init_strategy`)."
             ) from e
         raise
