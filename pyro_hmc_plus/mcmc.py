@@ -58,6 +58,7 @@ class MCMC(pyro.infer.MCMC):
     :param bool warn_on_problems: after a run of this package's kernels, check it as Stan does
         (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
         and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
+        If the checks themselves fail, that is a ``RuntimeWarning``: ``run()`` still returns.
 
     After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
     batched gradient evaluations that did useful work: the leapfrog steps of the chains'
@@ -146,7 +147,15 @@ class MCMC(pyro.infer.MCMC):
             self._run_vectorized(args, kwargs)
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
         if self.warn_on_problems and isinstance(self.kernel, HMC) and drawn >= 4:
-            diagnose(self, warn=True, stacklevel=4)  # the caller of run(), past Pyro's poutine.block wrapper
+            try:
+                diagnose(self, warn=True, stacklevel=4)  # the caller of run(), past Pyro's poutine.block wrapper
+            except Exception as e:  # checks of a finished run must not turn it into an error
+                warnings.warn(
+                    f"the run finished, but checking its draws failed ({type(e).__name__}: {e}); the "
+                    "draws are in get_samples() (pass warn_on_problems=False to skip the checks)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def _run_vectorized(self, args, kwargs):
         self._args, self._kwargs = args, kwargs

@@ -328,6 +328,23 @@ def test_interrupt_keeps_the_draws_made_so_far():
     assert len(mcmc.kernel.sample_stats[-1]["lp"]) >= 100
 
 
+def test_a_failing_check_after_the_run_keeps_the_draws(monkeypatch):
+    """The checks after a run (Stan's diagnostics, which trace the model for ArviZ) once
+    raised from ``run()`` after every draw was made (a prior that cannot be sampled). Any
+    failure there is now a warning: ``run()`` returns and the draws are there."""
+    import pyro_hmc_plus.mcmc
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("no trace")
+
+    monkeypatch.setattr(pyro_hmc_plus.mcmc, "diagnose", failing)
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(gauss2d), num_samples=20, warmup_steps=20, num_chains=2, disable_progbar=True)
+    with pytest.warns(RuntimeWarning, match="checking its draws failed .RuntimeError: no trace"):
+        mcmc.run()
+    assert mcmc.get_samples(group_by_chain=True)["q"].shape == (2, 20, 2)
+
+
 @pytest.mark.parametrize("engine", ["auto", "eager"])
 @pytest.mark.parametrize("kernel_class", [NUTS, HMC])
 def test_numerical_failure_in_one_chain_is_a_divergence(engine, kernel_class):
