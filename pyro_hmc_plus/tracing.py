@@ -1164,9 +1164,9 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         _vectorize_groups(gm, grouping)
 
 
-def _alike_candidates(nodes: list) -> Dict[tuple, list]:
-    """The nodes that may be vectorized, by what must be alike among a group's (graph order)."""
-    written = _written_storage(nodes)
+def _alike_candidates(nodes: list, written: set) -> Dict[tuple, list]:
+    """The nodes that may be vectorized (none reading a tensor in ``written``), by what must
+    be alike among a group's (graph order)."""
     candidates: Dict[tuple, list] = {}
     for node in nodes:
         key = _alike_key(node)
@@ -1175,25 +1175,25 @@ def _alike_candidates(nodes: list) -> Dict[tuple, list]:
     return candidates
 
 
-def _groups_at_equal_depths(nodes: list) -> List[list]:
+def _groups_at_equal_depths(nodes: list, candidates: Dict[tuple, list]) -> List[list]:
     """Alike nodes at the same depth (longest path from the graph's inputs), by depth."""
     depth = {}
     for node in nodes:
         depth[node] = 1 + max((depth[a] for a in node.all_input_nodes), default=-1)
     groups: Dict[tuple, list] = {}
-    for key, members in _alike_candidates(nodes).items():
+    for key, members in candidates.items():
         for node in members:
             groups.setdefault((depth[node],) + key, []).append(node)
     return [groups[key] for key in sorted(groups, key=lambda k: k[0])]
 
 
-def _groups_of_independent_ops(nodes: list) -> List[list]:
+def _groups_of_independent_ops(nodes: list, alike: Dict[tuple, list]) -> List[list]:
     """Alike nodes computed alike (the same ops, three back: the same place in each step's
     ops) that do not depend on each other, greedily in graph order (each joins the first
     group holding none of its ancestors), by their first member's position; less the groups
     that would order each other both ways."""
     candidates: Dict[tuple, list] = {}  # the same op at the same place of each step's ops
-    for key, members in _alike_candidates(nodes).items():
+    for key, members in alike.items():
         for node in members:
             candidates.setdefault((key, _provenance(node, 3)), []).append(node)
     bit = {node: 1 << i for i, node in enumerate(n for members in candidates.values() for n in members)}
@@ -1233,23 +1233,13 @@ def _without_cycles(nodes: list, groups: List[list]) -> List[list]:
     groups = list(groups)
     while groups:
         unit = {member: i for i, group in enumerate(groups) for member in group}
-        after = {}  # unit -> the units that read it
-        waiting = {}  # unit -> how many units it reads
+        before = {}  # unit -> the units it reads
         for node in nodes:
             u = unit.get(node, node)
-            waiting.setdefault(u, 0)
-            for a in node.all_input_nodes:
-                v = unit.get(a, a)
-                if v != u and u not in after.setdefault(v, set()):
-                    after[v].add(u)
-                    waiting[u] += 1
-        ready = [u for u, n in waiting.items() if n == 0]
-        while ready:
-            for w in after.get(ready.pop(), ()):
-                waiting[w] -= 1
-                if waiting[w] == 0:
-                    ready.append(w)
-        stuck = [i for i in range(len(groups)) if waiting[i]]
+            before.setdefault(u, set()).update(unit.get(a, a) for a in node.all_input_nodes)
+            before[u].discard(u)
+        placed = set(_topological_order(before, lambda u: 0))
+        stuck = [i for i in range(len(groups)) if i not in placed]
         if not stuck:
             return groups
         groups.pop(stuck[-1])
@@ -1257,12 +1247,12 @@ def _without_cycles(nodes: list, groups: List[list]) -> List[list]:
 
 
 def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
-    """One round of :func:`vectorize_alike_ops` on the groups that ``grouping(nodes)`` forms
-    (lists of alike, independent nodes, in an order where a group's operands come from
-    groups before it)."""
+    """One round of :func:`vectorize_alike_ops` on the groups that ``grouping(nodes,
+    candidates)`` forms of the candidates (lists of alike, independent nodes, in an order
+    where a group's operands come from groups before it)."""
     nodes = list(gm.graph.nodes)
     written = _written_storage(nodes)
-    groups = {i: members for i, members in enumerate(grouping(nodes))
+    groups = {i: members for i, members in enumerate(grouping(nodes, _alike_candidates(nodes, written)))
               if len(members) >= _MIN_GROUP and _broadcast_operands_shared(members)}
     if not groups:
         return
@@ -1579,22 +1569,7 @@ def _reorder(graph: torch.fx.Graph, rank: dict) -> bool:
                 if reader is not writer:
                     (before[writer] if rank[reader] < rank[writer] else before[reader]).add(
                         reader if rank[reader] < rank[writer] else writer)
-    after = {node: [] for node in nodes}
-    for node, preds in before.items():
-        for p in preds:
-            after[p].append(node)
-    waiting = {node: len(preds) for node, preds in before.items()}
-    ready = [(rank[n], i, n) for i, n in enumerate(nodes) if waiting[n] == 0]
-    heapq.heapify(ready)
-    order, serial = [], len(nodes)
-    while ready:
-        _, _, node = heapq.heappop(ready)
-        order.append(node)
-        for user in after[node]:
-            waiting[user] -= 1
-            if waiting[user] == 0:
-                serial += 1
-                heapq.heappush(ready, (rank[user], serial, user))
+    order = _topological_order(before, rank.__getitem__)
     if len(order) < len(nodes):
         return False
     previous = order[0]
@@ -1604,8 +1579,33 @@ def _reorder(graph: torch.fx.Graph, rank: dict) -> bool:
     return True
 
 
+def _topological_order(before: dict, priority) -> list:
+    """The keys of ``before`` (``{node: the nodes it must come after}``) in an order where each
+    comes after those, the ready one of lowest ``priority`` first; the nodes on a cycle, and
+    after one, are left out."""
+    after = {node: [] for node in before}
+    for node, preds in before.items():
+        for p in preds:
+            after[p].append(node)
+    waiting = {node: len(preds) for node, preds in before.items()}
+    ready = [(priority(n), i, n) for i, n in enumerate(before) if waiting[n] == 0]
+    heapq.heapify(ready)
+    order, serial = [], len(before)
+    while ready:
+        _, _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in after[node]:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                serial += 1
+                heapq.heappush(ready, (priority(user), serial, user))
+    return order
+
+
 def _written_arguments(op, args, kwargs) -> list:
     """The arguments that the aten overload ``op`` writes in place (its schema's mutable ones)."""
+    if not op._schema.is_mutable:
+        return []
     return [
         args[i] if i < len(args) else kwargs.get(argument.name)
         for i, argument in enumerate(op._schema.arguments)

@@ -375,7 +375,7 @@ def test_vectorizing_is_kept_only_where_the_finished_graph_is_smaller(monkeypatc
     then fold less: on the recursion, grouping by depth alone gave 1,201 operations where
     none gave 1,093. The trace keeps whichever finished graph is smaller."""
     flat = from_model(_recursive_volatility_loop, (0.5 * torch.sin(torch.arange(30.0)),))
-    monkeypatch.setattr(tracing, "_groups_of_independent_ops", lambda nodes: [])
+    monkeypatch.setattr(tracing, "_groups_of_independent_ops", lambda nodes, candidates: [])
     by_depth = GradientEngine(flat)
     monkeypatch.setattr(tracing, "vectorize_alike_ops", lambda gm, recompile=True: gm)
     assert by_depth.gradient_ops <= GradientEngine(flat).gradient_ops
