@@ -240,21 +240,25 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         fold_support_checks,
         fold_constants,  # what the support masks, now constants, fed
         fold_constant_solves,
-        simplify,  # the reshapes around the products it made
         shrink_broadcasts,
+        simplify,  # the reshapes around the products fold_constant_solves made; log(exp(x)) unbroadcast
         cheaper_indexing,
         merge_duplicate_ops,
     ):
         graph_pass(gm, recompile=False)
-    # vectorized or not, whichever has fewer operations once finished: a round of
-    # vectorize_alike_ops counts its own savings, and the passes after it may then fold less
-    vectorized = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    vectorize_alike_ops(vectorized, recompile=False)
-    for candidate in (vectorized, gm):
-        for graph_pass in (fold_linear_chains, fold_constants, copy_written_constants):
-            graph_pass(candidate, recompile=False)
-    if operations(vectorized.graph) < operations(gm.graph):
-        gm = vectorized
+    # Rewrites that may or may not pay are judged on the finished graph, since the passes
+    # after them may fold less than they would have without them: vectorized or not, and
+    # then with numbers taken out of sums and products or not, whichever has fewer operations.
+    finish = (fold_linear_chains, fold_constants, merge_duplicate_ops)
+    for rewrites, unfinished in (((vectorize_alike_ops,), True), ((pull_scalars_out_of_sums, gather_scalar_factors), False)):
+        rewritten = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+        for graph_pass in rewrites + finish:
+            graph_pass(rewritten, recompile=False)
+        for graph_pass in finish if unfinished else ():
+            graph_pass(gm, recompile=False)
+        if operations(rewritten.graph) < operations(gm.graph):
+            gm = rewritten
+    copy_written_constants(gm, recompile=False)
     gm.recompile()
     gm.meta["elements_touched"] = elements_touched(gm)
     if not fake:  # the recorded values: no longer needed, and as large as the model's data
@@ -399,7 +403,12 @@ def _with_tensor_operands(traced: torch.jit.ScriptFunction) -> torch.jit.ScriptF
 _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}
 aten = torch.ops.aten
 # ops whose value depends only on the (static) shape of their tensor input
-_SHAPE_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default}
+_SHAPE_ONLY = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+               aten.new_zeros.default, aten.new_ones.default, aten.new_full.default}
+# the fill of each (``full_like`` and ``new_full`` take theirs as an argument)
+_SHAPE_ONLY_FILL = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.new_zeros.default: 0,
+                    aten.new_ones.default: 1, aten.full_like.default: lambda args: args[1],
+                    aten.new_full.default: lambda args: args[2]}
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default}
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
@@ -469,8 +478,8 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         target = node.target
         if target in _SHAPE_ONLY and "val" in node.meta:
             val = node.meta["val"]
-            fill = {aten.zeros_like.default: 0, aten.ones_like.default: 1}.get(target)
-            fill = node.args[1] if fill is None else fill
+            fill = _SHAPE_ONLY_FILL[target]
+            fill = fill(node.args) if callable(fill) else fill
             const[node] = torch.full(val.shape, fill, dtype=val.dtype, device=val.device)
             continue
         if not all(n in const for n in inputs):
@@ -522,6 +531,18 @@ def _is_value_identity(node) -> bool:
         other = node.args[1]
         return isinstance(other, (int, float)) and other == _IDENTITY_SCALAR[node.target]
     return False
+
+
+def _is_log_of_exp(node) -> bool:
+    """``log(exp(x))``: the log of a positive site's constrained value, which is ``exp`` of
+    the unconstrained one (every ``Normal(loc, sigma)`` whose ``sigma`` is a ``HalfNormal``,
+    ``HalfCauchy``, ``LogNormal``, ... site takes ``log(sigma)``). The result is ``x`` itself
+    (more exact, too: ``exp`` overflows and underflows where ``x`` does not)."""
+    src = node.args[0] if node.target is aten.log.default and len(node.args) == 1 else None
+    return (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is aten.exp.default
+            and not _written_through(node) and not _written_through(src)
+            and torch.is_tensor(_val(src.args[0])) and torch.is_tensor(_val(node))
+            and _val(src.args[0]).dtype == _val(node).dtype and _val(src.args[0]).shape == _val(node).shape)
 
 
 def _keeps_element_order(node) -> bool:
@@ -599,6 +620,10 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
+        if _is_log_of_exp(node):
+            node.replace_all_uses_with(node.args[0].args[0])
+            graph.erase_node(node)
+            continue
         if node.target in _PERMUTES and torch.is_tensor(_val(node)) and torch.is_tensor(_val(node.args[0])) \
                 and _keeps_element_order(node):
             # a permutation of unit dimensions is a reshape (collapsed into the one below)
@@ -635,9 +660,9 @@ class _Linear(NamedTuple):
 
 def _linear_form(gm: torch.fx.GraphModule, node) -> Optional[_Linear]:
     """The :class:`_Linear` form of ``node`` in its inputs, if it is ``x + y``, ``x - y``
-    (either operand possibly a constant, ``alpha`` allowed), ``x * c``, ``x / c``, ``-x``
-    or the sum of a 0-d tensor, with every non-constant operand of the node's own shape and
-    dtype (no broadcasting, no type promotion); else ``None``."""
+    (either operand possibly a constant, ``alpha`` allowed), ``x * c``, ``x / c``, ``-x``,
+    ``addcmul(c1, x, c2)`` or the sum of a 0-d tensor, with every non-constant operand of
+    the node's own shape and dtype (no broadcasting, no type promotion); else ``None``."""
     if node.op != "call_function" or set(node.kwargs) - {"alpha"}:
         return None
     out, target = _val(node), node.target
@@ -678,6 +703,11 @@ def _linear_form(gm: torch.fx.GraphModule, node) -> Optional[_Linear]:
                 pairs.append((arg, w))
         if not pairs:
             return None
+    elif target is aten.addcmul.default and len(args) == 3 and not node.kwargs:  # what this pass writes
+        k_self, k_factor = constant(args[0]), constant(args[2])
+        if k_self is None or k_factor is None:
+            return None
+        pairs, c = [(args[1], k_factor)], k_self
     elif target in _MULS | _DIVS and len(args) == 2 and not node.kwargs:
         lhs, rhs = args
         k_lhs, k_rhs = constant(lhs), constant(rhs)
@@ -790,6 +820,179 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             new.meta["val"] = _val(node)
         node.replace_all_uses_with(new)
         replacement[node] = new
+    graph.eliminate_dead_code(is_impure_node=_is_impure)
+
+
+def _scalar_operand(arg, like: torch.Tensor) -> bool:
+    """Whether ``arg`` is a number, or a node of one element and ``like``'s dtype that does
+    not broadcast ``like`` to another shape: an operand that a sum of ``like``'s elements can
+    take out of the sum."""
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return True
+    v = _val(arg)
+    return torch.is_tensor(v) and v.numel() == 1 and v.dtype == like.dtype and v.dim() <= like.dim()
+
+
+def _whole(arg, like: torch.Tensor) -> bool:
+    """Whether ``arg`` is a node of ``like``'s shape and dtype."""
+    v = _val(arg)
+    return torch.is_tensor(v) and v.shape == like.shape and v.dtype == like.dtype
+
+
+def _scaling(node):
+    """For ``y = x * s``, ``x / s`` or ``-x``, with ``x`` of ``y``'s shape and dtype and ``s``
+    a number or one element: ``(x, s, power)`` (``power`` -1 for a division; ``-x`` is
+    ``(x, -1, 1)``); else ``None``."""
+    out = _val(node)
+    if node.op != "call_function" or node.kwargs or not (torch.is_tensor(out) and out.is_floating_point()):
+        return None
+    args = node.args
+    if node.target is aten.neg.default and _whole(args[0], out):
+        return args[0], -1, 1
+    if node.target in _MULS and len(args) == 2:
+        for x, k in (args, args[::-1]):
+            if _whole(x, out) and _scalar_operand(k, out):
+                return x, k, 1
+    if node.target in _DIVS and len(args) == 2 and _whole(args[0], out) and _scalar_operand(args[1], out):
+        return args[0], args[1], -1
+    return None
+
+
+def _new_op(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
+    """A call of ``target`` at the graph's insertion point, its ``meta["val"]`` computed from
+    its operands' (for the passes after)."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = target(*torch.fx.node.map_arg(args, _val), **kwargs)
+    return node
+
+
+def _sum_taken_apart(node):
+    """For ``y``, the input of a full sum, written as ``y = f(x, s)`` with ``x`` of ``y``'s
+    shape and ``s`` one element (``-x``, ``x * s``, ``x / s``, ``x + a s``, ``x - a s``,
+    ``s - a x``, ``addcmul(s, x, t)``): ``(x, rebuild)``, where ``rebuild(graph, sum_of_x)``
+    adds the ops computing ``sum(y)`` from ``sum(x)`` (``n`` elements: ``x + s`` sums to
+    ``sum(x) + n s``). ``None`` for anything else."""
+    scaled = _scaling(node)
+    if scaled is not None:
+        x, k, power = scaled
+        return x, lambda g, total: _new_op(g, aten.mul.Tensor if power == 1 else aten.div.Tensor, total, k)
+    out = _val(node)
+    if node.op != "call_function" or not (torch.is_tensor(out) and out.is_floating_point()):
+        return None
+    n, args, target = out.numel(), node.args, node.target
+    alpha = node.kwargs.get("alpha", 1)
+    if set(node.kwargs) - {"alpha", "value"} or isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        return None
+    if target in _ADDS | _SUBS and len(args) == 2:
+        sign = -1 if target in _SUBS else 1
+        x, k = args
+        if _whole(x, out) and _scalar_operand(k, out):  # x + sign alpha k
+            return x, lambda g, total: _new_op(g, aten.add.Tensor, total, k, alpha=sign * alpha * n)
+        k, x = args
+        if _whole(x, out) and _scalar_operand(k, out):  # k + sign alpha x
+            return x, lambda g, total: _new_op(
+                g, aten.add.Tensor, _new_op(g, aten.mul.Tensor, total, sign * alpha), k, alpha=n)
+    if target is aten.addcmul.default and len(args) == 3:  # k + value a b
+        k, a, b = args
+        value = node.kwargs.get("value", 1)
+        if _scalar_operand(k, out) and not isinstance(k, (int, float)):
+            for x, factor in ((a, b), (b, a)):
+                if _whole(x, out) and _scalar_operand(factor, out) and not isinstance(factor, (int, float)):
+                    return x, lambda g, total, f=factor: _new_op(
+                        g, aten.add.Tensor, _new_op(g, aten.mul.Tensor, _new_op(g, aten.mul.Tensor, total, f), value),
+                        k, alpha=n)
+    return None
+
+
+@_graph_pass
+def pull_scalars_out_of_sums(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Take one-element operands out of full sums: ``sum(x * s) = sum(x) * s``, ``sum(x + s)
+    = sum(x) + n s``, ``sum(-x) = -sum(x)``, ..., as deep as they go.
+
+    A plate's log density is summed over its elements after elementwise ops with the
+    model's scalars: ``Normal(loc, sigma)`` over 960 observations computes ``-(r ** 2) / (2
+    sigma ** 2) - log(sigma) - 0.919`` on 960 elements before its sum, and the gradient in
+    ``sigma`` sums ``r ** 2 / sigma ** 3``-like chains of its own. Pulled out, both sums are
+    ``sum(r ** 2)`` (one op once merged), the rest are ops on numbers that
+    :func:`fold_linear_chains` folds into the potential's other terms, and the 960-element
+    intermediates are no longer computed. The values agree to float rounding (sums are
+    reassociated). The result can have *more* operations (a pulled-out intermediate that
+    other ops still need is computed anyway), so :func:`trace` keeps it only where it has
+    fewer once folded and merged. An op reading a tensor that is written in place is not
+    taken apart (its operands would be read later, where the sum is)."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.target is not aten.sum.default or len(node.args) != 1 or node.kwargs or _written_through(node):
+            continue
+        inner, wrap = node.args[0], []
+        while isinstance(inner, torch.fx.Node):
+            taken = _sum_taken_apart(inner)
+            # the new ops read their operands where the sum is: not a tensor written in between
+            if taken is None or any(_written_through(n) for n in inner.all_input_nodes):
+                break
+            inner, rebuild = taken
+            wrap.append(rebuild)
+        if not wrap:
+            continue
+        with graph.inserting_before(node):
+            total = _new_op(graph, aten.sum.default, inner)
+            for rebuild in reversed(wrap):
+                total = rebuild(graph, total)
+        node.replace_all_uses_with(total)
+        graph.erase_node(node)
+    graph.eliminate_dead_code(is_impure_node=_is_impure)
+
+
+@_graph_pass
+def gather_scalar_factors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Scale a tensor once by the product of its one-element factors: ``-(x * 2) * s / t``
+    becomes ``x * (s / t) * -2``, where the intermediate results have no other use. The
+    gradient of a plate's log density is full of such chains (``Normal``'s gradient in its
+    ``loc`` is ``-(r * 2) * (-1 / (2 * sigma ** 2))`` over the plate), and so is the
+    arithmetic on the model's scalars. The factors are multiplied together among
+    themselves (one element each), and the numbers come last, where :func:`fold_linear_chains`
+    folds them into the sum or difference that uses the result (or into ``x`` itself if it
+    is a constant). The values agree to float rounding. It can add an operation (``x / t *
+    2`` stays two), so :func:`trace` keeps the result only where it has fewer."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):  # the outermost op of a chain first
+        if not node.users or _written_through(node):  # dead: the inside of a chain gathered already
+            continue
+        up, down, numbers, x, chain = [], [], 1.0, node, 0
+        while True:
+            scaled = _scaling(x)
+            if scaled is None or (x is not node and (len(x.users) != 1 or _written_through(x))):
+                break
+            if any(_written_through(n) for n in x.all_input_nodes):
+                break  # the product reads its operands where the chain ends: not a tensor written in between
+            x, k, power = scaled
+            chain += 1
+            if isinstance(k, (int, float)):
+                numbers = numbers * k if power == 1 else numbers / k
+            else:
+                (up if power == 1 else down).append(k)
+        constant_x = x.op == "get_attr" and _val(x).numel() == 1
+        # ops: products of factors (one fewer than there are), their ratio, the scaling, the number
+        gathered = len(up) + len(down) + (numbers != 1.0 and not constant_x)
+        if chain < 2 or not (up or down) or gathered > chain:
+            continue  # one op; factors that are all numbers (fold_linear_chains' work); or more ops
+
+        def product(factors):
+            return functools.reduce(lambda a, b: _new_op(graph, aten.mul.Tensor, a, b), factors) if factors else None
+
+        with graph.inserting_before(node):
+            if constant_x and numbers != 1.0:
+                x, numbers = _constant_node(gm, "_folded_", _val(x) * numbers), 1.0
+            if numbers != 1.0 and up and _val(x).numel() > 1:  # on a factor, not on x's elements
+                up, numbers = up[:-1] + [_new_op(graph, aten.mul.Tensor, up[-1], numbers)], 1.0
+            up, down = product(up), product(down)
+            if up is not None and down is not None:
+                up, down = _new_op(graph, aten.div.Tensor, up, down), None
+            new = _new_op(graph, aten.mul.Tensor, x, up) if up is not None else _new_op(graph, aten.div.Tensor, x, down)
+            if numbers != 1.0:
+                new = _new_op(graph, aten.mul.Tensor, new, numbers)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
 
 

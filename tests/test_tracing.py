@@ -404,6 +404,21 @@ def test_an_op_repeated_on_the_same_inputs_is_computed_once():
             assert torch.allclose(a, b)
 
 
+def test_no_op_is_computed_twice_after_the_last_pass():
+    """The passes after merge_duplicate_ops (folding linear chains, taking numbers out of
+    sums) can make two ops alike (the hierarchical model's gradient had ``sigma_y ** 2``
+    twice): the trace merges again at the end."""
+    from pyro_hmc_plus.models import hierarchical_intercepts
+
+    gen = torch.Generator().manual_seed(0)
+    group = torch.arange(8).repeat_interleave(5)
+    x, y = torch.randn(40, generator=gen), torch.randn(40, generator=gen)
+    engine = GradientEngine(from_model(hierarchical_intercepts, (x, group, y)))
+    keys = [(n.target, tracing._hashable(n.args), tracing._hashable(n.kwargs))
+            for n in engine._graph.graph.nodes if n.op == "call_function"]
+    assert len(keys) == len(set(keys))
+
+
 def test_small_constants_equal_bit_for_bit_are_one_constant():
     """Each step of a loop makes its own constants (``0.9``, the folded ``1 / 0.3 ** 2``):
     merged, the ops reading them merge too, and the vectorizer sees one shared operand (the
@@ -861,9 +876,71 @@ def test_gathering_by_a_constant_group_index_uses_index_select_and_index_add():
         assert engine.name == "trace"
         targets = {n.target for n in engine._graph.graph.nodes if n.op == "call_function"}
         assert ({aten.index_select.default, aten.index_add.default} <= targets) == rewritten
+        assert aten.new_zeros.default not in targets  # index_add's zeros: a constant, not an op per call
         assert bool(targets & {aten.index.Tensor, aten.index_put.default}) != rewritten
         points = [torch.randn(flat.dim, generator=gen) for _ in range(3)]
         _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-5)
+
+
+def _ops_making(gm, z, numel: int) -> int:
+    """How many operations of ``gm``, run at ``z``, make a tensor of ``numel`` elements."""
+    from torch.fx.passes.shape_prop import ShapeProp, TensorMetadata
+
+    ShapeProp(gm).propagate(z)
+    return sum(n.op == "call_function" and isinstance(n.meta.get("tensor_meta"), TensorMetadata)
+               and n.meta["tensor_meta"].shape.numel() == numel for n in gm.graph.nodes)
+
+
+def test_numbers_are_taken_out_of_a_plates_sums_and_products(monkeypatch):
+    """``Normal(mu + x, sigma)`` over a plate of 500 computes ``-(r ** 2) / (2 sigma ** 2) -
+    log(sigma) - 0.919`` on 500 elements before summing; its gradient in ``sigma`` sums a
+    chain of its own over the plate, and its gradient in ``mu`` scales ``r`` by three
+    factors in turn. With the numbers taken out of the sums (``sum(r ** 2)`` once, the rest
+    on one element) and the factors gathered, the plate's elements go through 3 ops
+    instead of 14 (the residual's two, its square), the whole graph is smaller, ``log(exp(u))``
+    of the scale is ``u``, and the values equal Pyro's, one point and a batch."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(500, generator=gen), torch.randn(500, generator=gen)
+    flat = from_model(_plate_regression(x, y))
+    engine = GradientEngine(flat)
+    aten = torch.ops.aten
+    logs = [n for n in engine._graph.graph.nodes if n.target is aten.log.default]
+    assert not any(n.args[0].target is aten.exp.default for n in logs)
+    monkeypatch.setattr(tracing, "pull_scalars_out_of_sums", lambda gm, recompile=True: gm)
+    monkeypatch.setattr(tracing, "gather_scalar_factors", lambda gm, recompile=True: gm)
+    plain = GradientEngine(flat)
+    z = flat.initial_z
+    assert _ops_making(engine._graph, z, 500) == 3 < _ops_making(plain._graph, z, 500)
+    assert engine.gradient_ops < plain.gradient_ops
+    points = [torch.randn(flat.dim, generator=gen) for _ in range(4)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("graph_pass", ["pull_scalars_out_of_sums", "gather_scalar_factors"])
+def test_taking_numbers_out_never_reads_a_tensor_after_it_is_written(graph_pass):
+    """``sum(x * s)`` becomes ``sum(x) * s`` and ``x * 3 * s * t`` one op on ``x``, both
+    computed where the sum or the last product was. If ``x`` is written in place in between,
+    those ops would read the written values: each pass, run alone on the recorded graph,
+    leaves such ops as they are, and takes apart the others."""
+    def fn(x, s, t):
+        written = x * t
+        product = written * s
+        scaled = written * 3.0
+        written.add_(1.0)
+        late = product.sum()  # the sum of what was read before the write
+        gathered = scaled * s * t  # the same
+        free = (x * s).sum() + (x * 2.0 * s * t).sum()  # x is never written: taken apart
+        return late, gathered, free, written
+
+    x, s, t = torch.randn(50), torch.tensor(0.7), torch.tensor(-1.3)
+    gm = tracing._record(fn, (x, s, t))
+    before = gm.code
+    getattr(tracing, graph_pass)(gm)
+    assert gm.code != before  # `free` was taken apart
+    for _ in range(3):
+        x, s, t = torch.randn(50), torch.randn(()), torch.randn(())
+        for actual, expected in zip(gm(x, s, t), fn(x, s, t)):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_broadcast_result_updated_in_place_stays_a_full_tensor():
