@@ -871,9 +871,11 @@ def _new_op(graph: torch.fx.Graph, target, *args, **kwargs) -> torch.fx.Node:
 def _sum_taken_apart(node):
     """For ``y``, the input of a full sum, written as ``y = f(x, s)`` with ``x`` of ``y``'s
     shape and ``s`` one element (``-x``, ``x * s``, ``x / s``, ``x + a s``, ``x - a s``,
-    ``s - a x``, ``addcmul(s, x, t)``): ``(x, rebuild)``, where ``rebuild(graph, sum_of_x)``
-    adds the ops computing ``sum(y)`` from ``sum(x)`` (``n`` elements: ``x + s`` sums to
-    ``sum(x) + n s``). ``None`` for anything else."""
+    ``s - a x``, ``addcmul(s, x, t)``) or a constant of ``y``'s shape (``x + a c``, ``c - a
+    x``): ``(x, rebuild)``, where ``rebuild(graph, sum_of_x)`` adds the ops computing
+    ``sum(y)`` from ``sum(x)`` (``n`` elements: ``x + s`` sums to ``sum(x) + n s``, ``x + c`` to
+    ``sum(x) + sum(c)``, which :func:`fold_constants` computes once). ``None`` for anything
+    else."""
     scaled = _scaling(node)
     if scaled is not None:
         x, k, power = scaled
@@ -890,10 +892,18 @@ def _sum_taken_apart(node):
         x, k = args
         if _whole(x, out) and _scalar_operand(k, out):  # x + sign alpha k
             return x, lambda g, total: _new_op(g, aten.add.Tensor, total, k, alpha=sign * alpha * n)
+        # a constant of y's shape, summed once by fold_constants; only where y has no other
+        # use, which would keep y and add the constant's sum to its ops
+        constant = _whole(k, out) and k.op == "get_attr" and len(node.users) == 1
+        if _whole(x, out) and constant:
+            return x, lambda g, total: _new_op(g, aten.add.Tensor, total, _new_op(g, aten.sum.default, k),
+                                               alpha=sign * alpha)
         k, x = args
-        if _whole(x, out) and _scalar_operand(k, out):  # k + sign alpha x
+        constant = _whole(k, out) and k.op == "get_attr" and len(node.users) == 1
+        if _whole(x, out) and (_scalar_operand(k, out) or constant):  # k + sign alpha x
             return x, lambda g, total: _new_op(
-                g, aten.add.Tensor, _new_op(g, aten.mul.Tensor, total, sign * alpha), k, alpha=n)
+                g, aten.add.Tensor, _new_op(g, aten.mul.Tensor, total, sign * alpha),
+                _new_op(g, aten.sum.default, k) if constant else k, alpha=1 if constant else n)
     if target is aten.addcmul.default and len(args) == 3:  # k + value a b
         k, a, b = args
         value = node.kwargs.get("value", 1)
@@ -1035,11 +1045,12 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     hierarchical benchmark model's gradient six 960-element operations become scalar ones,
     and a 960-element constant a number (~3 µs of ~65 a gradient). An op
     whose result type would change (type promotion treats 0-d tensors differently) is left
-    as it is; in a graph with in-place updates no result becomes an ``expand`` (a write
-    into it would hit one element many times), only operands are unbroadcast."""
+    as it is, and so is a result that an in-place op writes (a write into an ``expand``
+    would hit one element many times): only its operands are unbroadcast. (Written
+    results are few: torch's ``clamp`` gradient ``logical_and_``s two masks; when any write
+    in the graph kept every result full, a ``Binomial(n, probs=p)`` over a plate computed
+    its ``log(p)``, ``log1p(-p)`` and their gradients on every observation.)"""
     graph = gm.graph
-    writes_in_place = any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable
-                          for n in graph.nodes if n.op == "call_function")
     uniform = {}  # constant node -> its one value as a 0-d constant node (or None)
 
     def unbroadcast(arg):
@@ -1075,7 +1086,7 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if val.shape == out.shape:
             node.args = args
             continue
-        if writes_in_place:
+        if _written_through(node):
             continue
         with graph.inserting_before(node):
             small = graph.call_function(node.target, args, dict(node.kwargs))

@@ -916,6 +916,27 @@ def test_numbers_are_taken_out_of_a_plates_sums_and_products(monkeypatch):
     _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
 
 
+def test_a_plates_shared_probability_is_not_computed_per_observation():
+    """``Binomial(10, probs=p)`` over a plate of 300 expands ``p`` to 300 and takes its
+    clamp, logit and ``log1p`` there; the gradient of torch's ``clamp`` writes one mask in
+    place, which once kept every result of the graph full-size. Now only written results
+    stay full: 12 ops make 300-element tensors instead of 40 (on 100,000 observations the
+    gradient ran ~4x faster), with Pyro's values, one point and a batch."""
+    gen = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 11, (300,), generator=gen).float()
+
+    def model():
+        p = pyro.sample("p", dist.Beta(1.0, 1.0))
+        with pyro.plate("d", 300):
+            pyro.sample("y", dist.Binomial(10.0, p), obs=y)
+
+    flat = from_model(model)
+    engine = GradientEngine(flat)
+    assert _ops_making(engine._graph, flat.initial_z, 300) <= 12
+    points = [torch.randn(flat.dim, generator=gen) for _ in range(4)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize("graph_pass", ["pull_scalars_out_of_sums", "gather_scalar_factors"])
 def test_taking_numbers_out_never_reads_a_tensor_after_it_is_written(graph_pass):
     """``sum(x * s)`` becomes ``sum(x) * s`` and ``x * 3 * s * t`` one op on ``x``, both
