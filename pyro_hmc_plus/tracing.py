@@ -543,6 +543,7 @@ def _is_log_of_exp(node) -> bool:
     src = node.args[0] if node.target is aten.log.default and len(node.args) == 1 else None
     return (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is aten.exp.default
             and not _written_through(node) and not _written_through(src)
+            and isinstance(src.args[0], torch.fx.Node) and not _memory_written(src.args[0])
             and torch.is_tensor(_val(src.args[0])) and torch.is_tensor(_val(node))
             and _val(src.args[0]).dtype == _val(node).dtype and _val(src.args[0]).shape == _val(node).shape)
 
@@ -773,8 +774,10 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     def inner_of(t):
         return forms.get(t) if len(t.users) == 1 else None
 
+    written = _written_storage(graph.nodes)
     for node in graph.nodes:
-        form = _linear_form(gm, node)
+        # a tensor written in place: the composed ops would read it later, maybe after the write
+        form = None if written.intersection(node.all_input_nodes) else _linear_form(gm, node)
         if form is None:
             continue
         forms[node], replaced = _merged(form, inner_of)
@@ -1326,7 +1329,9 @@ def merge_duplicate_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Compute once what is computed twice: an op with the same target and the same inputs as
     an earlier one (Pyro's distributions broadcast their parameters anew at every site, so a
     loop of sites expands a shared scale once per site), unless either result is written in
-    place. Small constants equal bit for bit are one constant first (each step of a loop
+    place or either reads a tensor that is written in place (the graph reads such a tensor by
+    its node before and after the write alike). Small constants equal bit for bit are one
+    constant first (each step of a loop
     folds its own ``0.9`` or ``1 / 0.3 ** 2``): the ops that read them then merge too, and
     :func:`vectorize_alike_ops` sees one operand shared by the steps."""
     graph, seen = gm.graph, {}
@@ -1340,12 +1345,13 @@ def merge_duplicate_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if earlier is not node:
             node.replace_all_uses_with(earlier)
             graph.erase_node(node)
+    written = _written_storage(graph.nodes)
     for node in list(graph.nodes):
         target = node.target
         if (node.op != "call_function" or not isinstance(target, torch._ops.OpOverload)
                 or target._schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags
-                or target_is_check(node) or _written_through(node)):
-            continue
+                or target_is_check(node) or _written_through(node) or written.intersection(node.all_input_nodes)):
+            continue  # (two reads of a tensor written in place may see different values)
         try:
             key = (target, _hashable(node.args), _hashable(node.kwargs))
             earlier = seen.setdefault(key, node)
@@ -1868,6 +1874,14 @@ def _written_through(node) -> bool:
                 seen.add(user)
                 pending.append(user)
     return False
+
+
+def _memory_written(node) -> bool:
+    """Whether an in-place op writes ``node``'s memory, through ``node``, a view of it, or
+    what it is a view of: then the graph's reads of ``node`` see different values before
+    and after the write, and an op reading it cannot be moved or merged."""
+    aliases = _aliases(node)
+    return any(_written_inputs(user) & aliases for alias in aliases for user in alias.users)
 
 
 def _aliases(node) -> set:

@@ -937,6 +937,49 @@ def test_a_plates_shared_probability_is_not_computed_per_observation():
     _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
 
 
+def _read_across_a_write_linear(x):  # b + 3 composed into a * 2 + 3 would read a after its write
+    a = x.clone()
+    b = a * 2.0
+    a.add_(1.0)
+    return b + 3.0, a
+
+
+def _read_across_a_write_through_a_view(x):  # the two a * 2.0 look alike; a[0] = 7 is between them
+    a = x.clone()
+    before = a * 2.0
+    a[0] = 7.0
+    return before, a * 2.0
+
+
+def _read_across_a_write_in_a_loop(x):  # six alike reads before the write, six after
+    a = x.clone()
+    before = [(a[i] * 3.0).exp() for i in range(6)]
+    a[1:3] = 0.0
+    return torch.stack(before), torch.stack([(a[i] * 3.0).exp() for i in range(6)])
+
+
+def _read_across_a_write_scaled_sum(x):  # a * s before the write and after it
+    a, s = x.clone(), x[5]
+    b = a * s
+    a[0] = s * 5
+    return (b * s).sum() - (a * s).sum(), (a / s).sum() + (-b).sum()
+
+
+@pytest.mark.parametrize("fn", [_read_across_a_write_linear, _read_across_a_write_through_a_view,
+                                _read_across_a_write_in_a_loop, _read_across_a_write_scaled_sum])
+def test_reads_before_and_after_an_in_place_write_keep_their_values(fn):
+    """The recorded graph reads a tensor by its node before an in-place write into it (or
+    into a view of it) and after it alike; so two such reads that look the same are not
+    merged, a chain of linear ops is not composed across the write, and ops reading it are
+    not vectorized or taken apart (each of these gave the written values to reads made
+    before the write)."""
+    gm = tracing.trace(fn, (torch.randn(6),), check_escapes=False)
+    for _ in range(3):
+        x = torch.randn(6)
+        for actual, expected in zip(gm(x.clone()), fn(x.clone())):
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("graph_pass", ["pull_scalars_out_of_sums", "gather_scalar_factors"])
 def test_taking_numbers_out_never_reads_a_tensor_after_it_is_written(graph_pass):
     """``sum(x * s)`` becomes ``sum(x) * s`` and ``x * 3 * s * t`` one op on ``x``, both
