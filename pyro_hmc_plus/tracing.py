@@ -956,7 +956,7 @@ def pull_scalars_out_of_sums(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         while isinstance(inner, torch.fx.Node):
             taken = _sum_taken_apart(inner)
             # the new ops read their operands where the sum is: not a tensor written in between
-            if taken is None or any(_written_through(n) for n in inner.all_input_nodes):
+            if taken is None or any(_memory_written(n) for n in inner.all_input_nodes):
                 break
             inner, rebuild = taken
             wrap.append(rebuild)
@@ -991,7 +991,7 @@ def gather_scalar_factors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             scaled = _scaling(x)
             if scaled is None or (x is not node and (len(x.users) != 1 or _written_through(x))):
                 break
-            if any(_written_through(n) for n in x.all_input_nodes):
+            if any(_memory_written(n) for n in x.all_input_nodes):
                 break  # the product reads its operands where the chain ends: not a tensor written in between
             x, k, power = scaled
             chain += 1

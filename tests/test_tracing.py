@@ -993,8 +993,14 @@ def test_taking_numbers_out_never_reads_a_tensor_after_it_is_written(graph_pass)
         written.add_(1.0)
         late = product.sum()  # the sum of what was read before the write
         gathered = scaled * s * t  # the same
+        base = x * 1.5
+        part = base[1:]
+        in_part = part * s
+        part_scaled = part * 2.0
+        base[1] = 5.0  # written through another view of part's base
+        late_part = in_part.sum() + (part_scaled * s).sum()
         free = (x * s).sum() + (x * 2.0 * s * t).sum()  # x is never written: taken apart
-        return late, gathered, free, written
+        return late, gathered, late_part, free, written, base
 
     x, s, t = torch.randn(50), torch.tensor(0.7), torch.tensor(-1.3)
     gm = tracing._record(fn, (x, s, t))
