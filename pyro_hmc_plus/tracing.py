@@ -247,19 +247,28 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     ):
         graph_pass(gm, recompile=False)
     # Rewrites that may or may not pay are judged on the finished graph, since the passes
-    # after them may fold less than they would have without them: vectorized or not, and
-    # then with numbers taken out of sums and products or not, whichever has fewer operations.
-    finish = (fold_linear_chains, fold_constants, merge_duplicate_ops)
-    for rewrites, unfinished in (((vectorize_alike_ops,), True), ((pull_scalars_out_of_sums, gather_scalar_factors), False)):
-        if not unfinished and not _has_scalars_to_take_out(gm.graph):
-            continue  # copying and finishing a 1,800-op graph for nothing takes ~0.3 s
-        rewritten = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-        for graph_pass in rewrites + finish:
-            graph_pass(rewritten, recompile=False)
-        for graph_pass in finish if unfinished else ():
-            graph_pass(gm, recompile=False)
-        if operations(rewritten.graph) < operations(gm.graph):
-            gm = rewritten
+    # after them may fold less than they would have without them: whichever has the fewest
+    # operations of the graph, vectorized before the last folds or not, and where that paid
+    # (a loop), vectorized after them too (the folds can make more of the steps alike: the
+    # 50-step volatility recursion 1,231 -> 891 operations, ~10% faster, for ~0.5 s more
+    # tracing); then with numbers taken out of sums and products or not.
+    def finished(candidate, rewrites=()):
+        for graph_pass in rewrites + (fold_linear_chains, fold_constants, merge_duplicate_ops):
+            graph_pass(candidate, recompile=False)
+        return candidate
+
+    def copied(candidate):
+        return torch.fx.GraphModule(candidate, copy.deepcopy(candidate.graph))
+
+    def fewest(*candidates):
+        return min(candidates, key=lambda c: operations(c.graph))  # the first of equals
+
+    vectorized_first = finished(copied(gm), (vectorize_alike_ops,))
+    gm = finished(gm)
+    if operations(vectorized_first.graph) < operations(gm.graph):  # a loop: worth a second try
+        gm = fewest(vectorized_first, finished(copied(gm), (vectorize_alike_ops,)))
+    if _has_scalars_to_take_out(gm.graph):  # (copying and finishing a 1,800-op graph takes ~0.3 s)
+        gm = fewest(gm, finished(copied(gm), (pull_scalars_out_of_sums, gather_scalar_factors)))
     copy_written_constants(gm, recompile=False)
     gm.recompile()
     gm.meta["elements_touched"] = elements_touched(gm)
@@ -1331,9 +1340,9 @@ def merge_duplicate_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     loop of sites expands a shared scale once per site), unless either result is written in
     place or either reads a tensor that is written in place (the graph reads such a tensor by
     its node before and after the write alike). Small constants equal bit for bit are one
-    constant first (each step of a loop
-    folds its own ``0.9`` or ``1 / 0.3 ** 2``): the ops that read them then merge too, and
-    :func:`vectorize_alike_ops` sees one operand shared by the steps."""
+    constant first (each step of a loop folds its own ``0.9`` or ``1 / 0.3 ** 2``): the ops
+    that read them then merge too, and :func:`vectorize_alike_ops` sees one operand shared by
+    the steps."""
     graph, seen = gm.graph, {}
     for node in list(graph.nodes):
         value = getattr(gm, node.target) if node.op == "get_attr" else None

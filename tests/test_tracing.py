@@ -381,6 +381,19 @@ def test_vectorizing_is_kept_only_where_the_finished_graph_is_smaller(monkeypatc
     assert by_depth.gradient_ops <= GradientEngine(flat).gradient_ops
 
 
+def test_a_recursion_is_also_vectorized_after_the_linear_folds():
+    """The folds can make a loop's steps alike that were not before them (each step's
+    constants composed the same way): the trace also vectorizes the folded graph and keeps
+    whichever finished graph is smallest. The 30-step volatility recursion: 776 operations
+    when only the graph before the folds was vectorized, 571 now."""
+    flat = from_model(_recursive_volatility_loop, (0.5 * torch.sin(torch.arange(30.0)),))
+    engine = GradientEngine(flat)
+    assert engine.gradient_ops <= 600
+    gen = torch.Generator().manual_seed(0)
+    points = [flat.initial_z + torch.randn(flat.dim, generator=gen) for _ in range(3)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-4, atol=1e-4)
+
+
 def test_an_op_repeated_on_the_same_inputs_is_computed_once():
     """merge_duplicate_ops: the same op on the same inputs runs once, unless its result is
     written in place (then each stays a tensor of its own)."""
