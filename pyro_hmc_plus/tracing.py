@@ -615,7 +615,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if node.target is aten.cat.default and len(node.args[0]) == 1 and _val(node) is not None:
             if (_val(node.args[0][0]) is not None and _val(node.args[0][0]).shape == _val(node).shape
-                    and not _written_through(node)):
+                    and not _written_through(node) and not _memory_written(node.args[0][0])):
                 node.replace_all_uses_with(node.args[0][0])
                 graph.erase_node(node)
             continue
@@ -628,7 +628,9 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             if not node.users:
                 graph.erase_node(node)
             continue
-        if _is_value_identity(node) and not _written_through(node):
+        # (nor a copy of an input that is written in place later: its readers would see the write)
+        if (_is_value_identity(node) and not _written_through(node)
+                and (_returns_view(node) or not _memory_written(node.args[0]))):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue

@@ -978,14 +978,22 @@ def _read_across_a_write_scaled_sum(x):  # a * s before the write and after it
     return (b * s).sum() - (a * s).sum(), (a / s).sum() + (-b).sum()
 
 
+def _copy_before_a_write(x):  # a * 1.0, a + 0, cat([a]): copies of a's values before the write
+    a = x.clone()
+    copies = (a * 1.0, a + 0, torch.cat([a]))
+    a.add_(1.0)
+    return tuple(c.exp() for c in copies) + (a,)
+
+
 @pytest.mark.parametrize("fn", [_read_across_a_write_linear, _read_across_a_write_through_a_view,
-                                _read_across_a_write_in_a_loop, _read_across_a_write_scaled_sum])
+                                _read_across_a_write_in_a_loop, _read_across_a_write_scaled_sum,
+                                _copy_before_a_write])
 def test_reads_before_and_after_an_in_place_write_keep_their_values(fn):
     """The recorded graph reads a tensor by its node before an in-place write into it (or
     into a view of it) and after it alike; so two such reads that look the same are not
-    merged, a chain of linear ops is not composed across the write, and ops reading it are
-    not vectorized or taken apart (each of these gave the written values to reads made
-    before the write)."""
+    merged, a chain of linear ops is not composed across the write, ops reading it are not
+    vectorized or taken apart, and a copy of it (``a * 1.0``) is not replaced by it (each of
+    these gave the written values to reads made before the write)."""
     gm = tracing.trace(fn, (torch.randn(6),), check_escapes=False)
     for _ in range(3):
         x = torch.randn(6)
