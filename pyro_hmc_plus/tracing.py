@@ -544,15 +544,16 @@ def _is_value_identity(node) -> bool:
     return False
 
 
-def _is_log_of_exp(node) -> bool:
+def _is_log_of_exp(node, written: set) -> bool:
     """``log(exp(x))``: the log of a positive site's constrained value, which is ``exp`` of
     the unconstrained one (every ``Normal(loc, sigma)`` whose ``sigma`` is a ``HalfNormal``,
     ``HalfCauchy``, ``LogNormal``, ... site takes ``log(sigma)``). The result is ``x`` itself
-    (more exact, too: ``exp`` overflows and underflows where ``x`` does not)."""
+    (more exact, too: ``exp`` overflows and underflows where ``x`` does not). Not where ``x``
+    is in ``written`` (:func:`_written_storage`): ``x`` would be read later, maybe after a write."""
     src = node.args[0] if node.target is aten.log.default and len(node.args) == 1 else None
     return (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is aten.exp.default
             and not _written_through(node) and not _written_through(src)
-            and isinstance(src.args[0], torch.fx.Node) and not _memory_written(src.args[0])
+            and isinstance(src.args[0], torch.fx.Node) and src.args[0] not in written
             and torch.is_tensor(_val(src.args[0])) and torch.is_tensor(_val(node))
             and _val(src.args[0]).dtype == _val(node).dtype and _val(src.args[0]).shape == _val(node).shape)
 
@@ -594,6 +595,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     unit dimensions, ``x + 0``, ``x * 1``, ``x ** 1``, one-element ``cat``) and collapse chains of
     reshapes. Each op removed saves a few microseconds per call in the interpreted engines."""
     graph = gm.graph
+    written = _written_storage(graph.nodes)  # a copy of one, read before a write, is not the same value
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.op == "get_attr" and "val" not in node.meta:
@@ -615,7 +617,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if node.target is aten.cat.default and len(node.args[0]) == 1 and _val(node) is not None:
             if (_val(node.args[0][0]) is not None and _val(node.args[0][0]).shape == _val(node).shape
-                    and not _written_through(node) and not _memory_written(node.args[0][0])):
+                    and not _written_through(node) and node.args[0][0] not in written):
                 node.replace_all_uses_with(node.args[0][0])
                 graph.erase_node(node)
             continue
@@ -630,11 +632,11 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         # (nor a copy of an input that is written in place later: its readers would see the write)
         if (_is_value_identity(node) and not _written_through(node)
-                and (_returns_view(node) or not _memory_written(node.args[0]))):
+                and (_returns_view(node) or node.args[0] not in written)):
             node.replace_all_uses_with(node.args[0])
             graph.erase_node(node)
             continue
-        if _is_log_of_exp(node):
+        if _is_log_of_exp(node, written):
             node.replace_all_uses_with(node.args[0].args[0])
             graph.erase_node(node)
             continue
@@ -960,6 +962,7 @@ def pull_scalars_out_of_sums(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     fewer once folded and merged. An op reading a tensor that is written in place is not
     taken apart (its operands would be read later, where the sum is)."""
     graph = gm.graph
+    written = _written_storage(graph.nodes)
     for node in list(graph.nodes):
         if node.target is not aten.sum.default or len(node.args) != 1 or node.kwargs or _written_through(node):
             continue
@@ -967,7 +970,7 @@ def pull_scalars_out_of_sums(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         while isinstance(inner, torch.fx.Node):
             taken = _sum_taken_apart(inner)
             # the new ops read their operands where the sum is: not a tensor written in between
-            if taken is None or any(_memory_written(n) for n in inner.all_input_nodes):
+            if taken is None or written.intersection(inner.all_input_nodes):
                 break
             inner, rebuild = taken
             wrap.append(rebuild)
@@ -994,6 +997,7 @@ def gather_scalar_factors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     is a constant). The values agree to float rounding. It can add an operation (``x / t *
     2`` stays two), so :func:`trace` keeps the result only where it has fewer."""
     graph = gm.graph
+    written = _written_storage(graph.nodes)
     for node in reversed(list(graph.nodes)):  # the outermost op of a chain first
         if not node.users or _written_through(node):  # dead: the inside of a chain gathered already
             continue
@@ -1002,7 +1006,7 @@ def gather_scalar_factors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             scaled = _scaling(x)
             if scaled is None or (x is not node and (len(x.users) != 1 or _written_through(x))):
                 break
-            if any(_memory_written(n) for n in x.all_input_nodes):
+            if written.intersection(x.all_input_nodes):
                 break  # the product reads its operands where the chain ends: not a tensor written in between
             x, k, power = scaled
             chain += 1
@@ -1885,14 +1889,6 @@ def _written_through(node) -> bool:
                 seen.add(user)
                 pending.append(user)
     return False
-
-
-def _memory_written(node) -> bool:
-    """Whether an in-place op writes ``node``'s memory, through ``node``, a view of it, or
-    what it is a view of: then the graph's reads of ``node`` see different values before
-    and after the write, and an op reading it cannot be moved or merged."""
-    aliases = _aliases(node)
-    return any(_written_inputs(user) & aliases for alias in aliases for user in alias.users)
 
 
 def _aliases(node) -> set:
