@@ -148,6 +148,18 @@ class GradientEngine:
             if problem is not None:
                 self._fall_back(problem)
 
+    def agrees_with(self, flat: FlatPotential) -> bool:
+        """Whether this engine's traced gradient still equals ``flat``'s (Pyro's potential of the
+        same model and arguments, built again) at ``flat``'s initial point. The trace bakes in
+        every tensor the model reads as a constant, the arguments as well as data the model
+        finds elsewhere (a global, a closure); the kernels reuse an engine while the arguments
+        are the same objects, unchanged, so this catches the rest: a global replaced or written
+        between runs. One traced and one eager gradient: cheap beside a run."""
+        if self._graph is None:  # the eager path runs the model itself: nothing baked in
+            return True
+        with pyro.validation_enabled(False):
+            return self._check(self._graph, flat.value_and_grad, [(flat.initial_z,)], "") is None
+
     def _gradient_points(self):
         """Where the traced gradient is checked against Pyro's: the initial point and two
         random points around it, from a private generator (the user's random stream is

@@ -322,7 +322,8 @@ class HMC(MCMCKernel):
             flat = potential.from_potential_fn(self.potential_fn, first, self._user_transforms)
         self.transforms = flat.transforms
         key = _args_key(args, kwargs)
-        if key not in self._engines or self._engines[key].flat.layout != flat.layout:
+        reused = self._engines.get(key)
+        if reused is None or reused.flat.layout != flat.layout or not reused.agrees_with(flat):
             self._engines = {key: GradientEngine(flat, self.engine)}
             self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
             self._programs = {}  # programs of another model or data

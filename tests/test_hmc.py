@@ -76,6 +76,30 @@ def test_conjugate_normal_normal():
     assert_variance(mu, var)
 
 
+@pytest.mark.parametrize("change", ["replaced", "written in place"])
+def test_running_again_after_the_models_global_data_changed(change):
+    """A model that reads its data from a global instead of its arguments: the trace bakes
+    the data in, so a second ``run`` after the global changed must trace again (it reused the
+    stale gradient before, and sampled the first data's posterior; HMC's adapted number of
+    steps grew without bound)."""
+    data = {"x": torch.randn(20) + 3.0}
+
+    def model():
+        normal_normal(data["x"])
+
+    mcmc = MCMC(NUTS(model), num_samples=500, warmup_steps=300, disable_progbar=True)
+    mcmc.run()
+    if change == "replaced":
+        data["x"] = data["x"] - 6.0
+    else:
+        data["x"].sub_(6.0)
+    mcmc.run()
+    mean, var = normal_normal_posterior(data["x"])
+    mu = mcmc.get_samples()["mu"].numpy()
+    assert_mean(mu, mean)
+    assert_variance(mu, var)
+
+
 def test_positive_site_in_constrained_space():
     y = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
     a, b = gamma_poisson_posterior(y)
