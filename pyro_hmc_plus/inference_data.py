@@ -87,13 +87,15 @@ def _model_trace(model, args, kwargs):
 
 def plate_dims(trace) -> Dict[str, List[str]]:
     """Dimension names for each sample site: a ``pyro.plate`` 's name where the plate's
-    dimension and size match an axis of the site's value, ``<site>_dim_<i>`` elsewhere."""
+    dimension and size match an axis of the site's value, ``<site>_dim_<i>`` elsewhere. (A
+    ``pyro.deterministic`` value is all event dimensions by default: its axes are matched
+    from the right as batch dimensions.)"""
     dims = {}
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site):
             continue
         shape = tuple(torch.as_tensor(site["value"]).shape)
-        batch_ndim = len(shape) - len(site["fn"].event_shape)
+        batch_ndim = len(shape) - (0 if _is_deterministic(site) else len(site["fn"].event_shape))
         names = [f"{name}_dim_{i}" for i in range(len(shape))]
         for frame in site["cond_indep_stack"]:
             if frame.dim is None or frame.vectorized is False:
@@ -127,6 +129,11 @@ def to_inference_data(
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
         ``pyro.infer.Predictive``.
     :param dict constant_data: extra data to store (``{name: array}``).
+
+    ``pyro.deterministic`` sites are in the posterior, their value at every draw from the same
+    replay (as NumPyro's export and Stan's transformed parameters): Pyro records them as
+    observed ``Delta`` sites, which would otherwise put one draw's value in ``observed_data``
+    and a log likelihood of zeros beside the data's (``az.loo`` then asks which to use).
     """
     by_chain = mcmc.get_samples(group_by_chain=True)
     samples = {k: v.detach().cpu().numpy() for k, v in by_chain.items()}
@@ -136,7 +143,7 @@ def to_inference_data(
     model = getattr(mcmc.kernel, "model", None)
     args, kwargs = getattr(mcmc, "_args", None) or (), getattr(mcmc, "_kwargs", None) or {}
     all_dims = {}
-    observed, loglik = {}, {}
+    observed, loglik, deterministic = {}, {}, {}
     if model is not None:
         model = _starting_at(model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]})
         trace = _model_trace(model, args, kwargs)
@@ -145,12 +152,15 @@ def to_inference_data(
             name: site["value"].detach().cpu().numpy()
             for name, site in trace.nodes.items()
             if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
+            and not _is_deterministic(site)
         }
-        if log_likelihood and observed:
+        shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items() if _is_deterministic(site)}
+        if (log_likelihood and observed) or shapes:
             draws = _shaped_for_plates(mcmc.get_samples(), trace)
-            loglik = _pointwise_log_likelihood(model, args, kwargs, draws, observed, num_chains, num_draws)
+            loglik, deterministic = _replay(model, args, kwargs, draws, observed if log_likelihood else {}, shapes,
+                                            num_chains, num_draws)
     all_dims.update(dims or {})
-    groups = dict(posterior=samples, sample_stats=post_stats)
+    groups = dict(posterior={**samples, **deterministic}, sample_stats=post_stats)
     if loglik:
         groups["log_likelihood"] = loglik
     if observed:
@@ -199,26 +209,40 @@ def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace) -> Dict[str, tor
     return shaped
 
 
-def _pointwise_log_likelihood(model, args, kwargs, samples, observed, num_chains, num_draws):
-    """``{observed site: (chains, draws, *data shape)}`` log densities at each draw."""
+def _is_deterministic(site) -> bool:
+    """A ``pyro.deterministic`` site (Pyro records it as an observed ``Delta``)."""
+    return site["type"] == "sample" and bool(site["infer"].get("_deterministic"))
+
+
+def _replay(model, args, kwargs, samples, observed, deterministic_shapes, num_chains, num_draws):
+    """The model replayed at every draw at once: ``({observed site: (chains, draws, *data
+    shape)} log densities, {deterministic site: (chains, draws, *its shape)} values)``;
+    ``deterministic_shapes`` gives each deterministic site's shape at one draw."""
     try:
         predictive = pyro.infer.Predictive(model, samples)
         with torch.no_grad():
             trace = predictive.get_vectorized_trace(*args, **kwargs)
-        out = {}
+        loglik, values = {}, {}
         for name in observed:
             site = trace.nodes[name]
             log_p = site["fn"].log_prob(site["value"]).detach().cpu().numpy()
-            out[name] = log_p.reshape((num_chains, num_draws) + log_p.shape[1:])
-        return out
+            loglik[name] = log_p.reshape((num_chains, num_draws) + log_p.shape[1:])
+        for name, shape in deterministic_shapes.items():
+            value = trace.nodes[name]["value"].detach()
+            per_draw = torch.Size((num_chains * num_draws,) + shape)
+            if value.numel() != per_draw.numel():  # the same at every draw (computed from data alone)
+                value = value.reshape(shape).expand(per_draw)
+            values[name] = value.reshape((num_chains, num_draws) + shape).cpu().numpy()
+        return loglik, values
     except Exception as e:  # a model that does not vectorise over draws
         warnings.warn(
             f"could not replay the model vectorised over the draws ({type(e).__name__}: {e}); "
-            "the log_likelihood group is left out (pass log_likelihood=False to silence this)",
+            "the log_likelihood group and the values of pyro.deterministic sites are left out "
+            "(log_likelihood=False skips the log likelihood)",
             UserWarning,
             stacklevel=3,
         )
-        return {}
+        return {}, {}
 
 
 # ---------------------------------------------------------------------------- diagnostics

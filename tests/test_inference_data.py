@@ -57,6 +57,40 @@ def test_export_has_every_group_with_shapes_dtypes_and_plate_dims(schools_run):
     assert renamed.posterior["theta_raw"].dims == ("chain", "draw", "school")
 
 
+def test_deterministic_sites_are_in_the_posterior_not_the_data():
+    """``pyro.deterministic`` is an observed ``Delta`` site to Pyro: it was exported as
+    observed data (one draw's value) with a log likelihood of zeros, so ``az.loo(idata)``
+    asked which of two log likelihoods to use. Its value at every draw belongs in the
+    posterior."""
+
+    def model(y, sigma):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+        pyro.deterministic("tau_squared", tau**2)  # outside every plate: (chains, draws)
+        pyro.deterministic("scale", sigma.max())  # from the data alone: the same at every draw
+        with pyro.plate("schools", len(y)):
+            theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+            theta = pyro.deterministic("theta", mu + tau * theta_raw)
+            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    idata = to_inference_data(mcmc)
+    post = idata.posterior
+    assert post["theta"].dims == ("chain", "draw", "schools")
+    np.testing.assert_allclose(post["theta"], post["mu"] + post["tau"] * post["theta_raw"], rtol=1e-5)
+    np.testing.assert_allclose(post["tau_squared"], post["tau"] ** 2, rtol=1e-5)
+    assert post["scale"].shape == (2, 50) and (post["scale"] == 18.0).all()
+    assert list(idata.observed_data.data_vars) == ["y"]
+    assert list(idata.log_likelihood.data_vars) == ["y"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pareto k warnings on 8 observations
+        assert np.isfinite(az.loo(idata).elpd_loo)  # one log likelihood: no var_name needed
+    assert "theta" in to_inference_data(mcmc, log_likelihood=False).posterior
+
+
 def test_a_prior_that_cannot_be_sampled_is_exported():
     """The export traces the model for its plates and observed data. It sampled the prior
     for that, so a model with ``ImproperUniform`` failed at the end of ``run()`` (in the
