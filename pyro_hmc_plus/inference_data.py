@@ -127,7 +127,7 @@ def to_inference_data(
     :param dict dims: ``{site: [dim names]}``; sites not given get their ``pyro.plate`` names.
     :param bool log_likelihood: pointwise log likelihood of every observed site (for
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
-        ``pyro.infer.Predictive``.
+        ``pyro.infer.Predictive`` (draw by draw where the model does not broadcast over them).
     :param dict constant_data: extra data to store (``{name: array}``).
 
     ``pyro.deterministic`` sites are in the posterior, their value at every draw from the same
@@ -156,9 +156,8 @@ def to_inference_data(
         }
         shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items() if _is_deterministic(site)}
         if (log_likelihood and observed) or shapes:
-            draws = _shaped_for_plates(mcmc.get_samples(), trace)
-            loglik, deterministic = _replay(model, args, kwargs, draws, observed if log_likelihood else {}, shapes,
-                                            num_chains, num_draws)
+            loglik, deterministic = _replay(model, args, kwargs, mcmc.get_samples(), trace,
+                                            observed if log_likelihood else {}, shapes, num_chains, num_draws)
     all_dims.update(dims or {})
     groups = dict(posterior={**samples, **deterministic}, sample_stats=post_stats)
     if loglik:
@@ -214,35 +213,54 @@ def _is_deterministic(site) -> bool:
     return site["type"] == "sample" and bool(site["infer"].get("_deterministic"))
 
 
-def _replay(model, args, kwargs, samples, observed, deterministic_shapes, num_chains, num_draws):
-    """The model replayed at every draw at once: ``({observed site: (chains, draws, *data
-    shape)} log densities, {deterministic site: (chains, draws, *its shape)} values)``;
-    ``deterministic_shapes`` gives each deterministic site's shape at one draw."""
+def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes, num_chains, num_draws):
+    """The model replayed at every draw: ``({observed site: (chains, draws, *data shape)} log
+    densities, {deterministic site: (chains, draws, *its shape)} values)``;
+    ``deterministic_shapes`` gives each deterministic site's shape in ``trace`` (the model
+    run once). Vectorised over the draws with ``pyro.infer.Predictive`` where the model
+    broadcasts over a leading dimension, else draw by draw, as ``Predictive`` does by
+    default (a ``PyroModule`` network's ``nn.Linear`` does not broadcast over draws)."""
+    num = num_chains * num_draws
     try:
-        predictive = pyro.infer.Predictive(model, samples)
         with torch.no_grad():
-            trace = predictive.get_vectorized_trace(*args, **kwargs)
-        loglik, values = {}, {}
-        for name in observed:
-            site = trace.nodes[name]
-            log_p = site["fn"].log_prob(site["value"]).detach().cpu().numpy()
-            loglik[name] = log_p.reshape((num_chains, num_draws) + log_p.shape[1:])
-        for name, shape in deterministic_shapes.items():
-            value = trace.nodes[name]["value"].detach()
-            per_draw = torch.Size((num_chains * num_draws,) + shape)
-            if value.numel() != per_draw.numel():  # the same at every draw (computed from data alone)
-                value = value.reshape(shape).expand(per_draw)
-            values[name] = value.reshape((num_chains, num_draws) + shape).cpu().numpy()
-        return loglik, values
-    except Exception as e:  # a model that does not vectorise over draws
-        warnings.warn(
-            f"could not replay the model vectorised over the draws ({type(e).__name__}: {e}); "
-            "the log_likelihood group and the values of pyro.deterministic sites are left out "
-            "(log_likelihood=False skips the log likelihood)",
-            UserWarning,
-            stacklevel=3,
-        )
-        return {}, {}
+            replayed = pyro.infer.Predictive(model, _shaped_for_plates(samples, trace)).get_vectorized_trace(
+                *args, **kwargs)
+        log_p = {name: _log_density(replayed.nodes[name]) for name in observed}
+        values = {name: _at_every_draw(replayed.nodes[name]["value"], shape, num)
+                  for name, shape in deterministic_shapes.items()}
+    except Exception:  # the model does not broadcast over the draws: replay them one by one
+        try:
+            replayed = [_model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
+                        for i in range(num)]
+            log_p = {name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed}
+            values = {name: torch.stack([t.nodes[name]["value"] for t in replayed]) for name in deterministic_shapes}
+        except Exception as e:
+            warnings.warn(
+                f"could not replay the model at the draws ({type(e).__name__}: {e}); the log_likelihood group "
+                "and the values of pyro.deterministic sites are left out (log_likelihood=False skips the "
+                "log likelihood)",
+                UserWarning,
+                stacklevel=3,
+            )
+            return {}, {}
+
+    def by_chain(x):
+        return x.detach().reshape((num_chains, num_draws) + x.shape[1:]).cpu().numpy()
+
+    return {k: by_chain(v) for k, v in log_p.items()}, {k: by_chain(v) for k, v in values.items()}
+
+
+def _log_density(site) -> torch.Tensor:
+    return site["fn"].log_prob(site["value"]).detach()
+
+
+def _at_every_draw(value: torch.Tensor, shape: tuple, num: int) -> torch.Tensor:
+    """A deterministic site's values from the vectorised replay as ``(num, *shape)``; a value
+    computed from the data alone has no draws' dimension: the same at every draw."""
+    per_draw = torch.Size((num,) + shape)
+    if value.numel() != per_draw.numel():
+        return value.reshape(shape).expand(per_draw)
+    return value.reshape(per_draw)
 
 
 # ---------------------------------------------------------------------------- diagnostics

@@ -91,6 +91,44 @@ def test_deterministic_sites_are_in_the_posterior_not_the_data():
     assert "theta" in to_inference_data(mcmc, log_likelihood=False).posterior
 
 
+def test_a_model_that_does_not_broadcast_over_draws_is_replayed_draw_by_draw():
+    """A ``PyroModule`` regression: ``nn.Linear`` does not broadcast over a leading dimension of
+    draws, so the vectorised replay fails; the log likelihood and the deterministic site were
+    left out (with a warning). They come from replaying the draws one by one instead."""
+    from pyro.nn import PyroModule, PyroSample
+
+    class Regression(PyroModule):
+        def __init__(self):
+            super().__init__()
+            self.linear = PyroModule[torch.nn.Linear](2, 1)
+            self.linear.weight = PyroSample(dist.Normal(0.0, 1.0).expand([1, 2]).to_event(2))
+            self.linear.bias = PyroSample(dist.Normal(0.0, 1.0).expand([1]).to_event(1))
+
+        def forward(self, x, y=None):
+            mean = self.linear(x).squeeze(-1)
+            with pyro.plate("data", x.shape[0]):
+                pyro.deterministic("mean", mean)
+                pyro.sample("y", dist.Normal(mean, 0.5), obs=y)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(10, 2, generator=g)
+    y = x @ torch.tensor([1.0, -1.0]) + 0.5 * torch.randn(10, generator=g)
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(Regression()), num_samples=20, warmup_steps=20, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(x, y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing is left out
+        idata = to_inference_data(mcmc)
+    post = idata.posterior
+    weight, bias = post["linear.weight"].values, post["linear.bias"].values  # (2, 20, 1, 2), (2, 20, 1)
+    mean = np.einsum("cdij,nj->cdn", weight, x.numpy()) + bias
+    np.testing.assert_allclose(post["mean"], mean, rtol=1e-5, atol=1e-6)
+    expected = torch.distributions.Normal(torch.as_tensor(mean), 0.5).log_prob(y).numpy()
+    np.testing.assert_allclose(idata.log_likelihood["y"], expected, rtol=1e-5, atol=1e-6)
+    assert idata.log_likelihood["y"].dims == ("chain", "draw", "data")
+
+
 def test_a_prior_that_cannot_be_sampled_is_exported():
     """The export traces the model for its plates and observed data. It sampled the prior
     for that, so a model with ``ImproperUniform`` failed at the end of ``run()`` (in the
