@@ -34,6 +34,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("hierarchical.py", "('chain', 'draw', 'groups')"),
         ("gaussian_process.py", "relevant inputs [0, 1]"),
         ("potential_fn.py", "E[s]"),
+        ("bayesian_neural_network.py", "(             gap)"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
