@@ -19,7 +19,10 @@ from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import pyro
 import torch
+from pyro.distributions.transforms import biject_to
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform
 from pyro.infer.mcmc.util import initialize_model
+from pyro.poutine.util import site_is_subsample
 
 
 class SiteLayout(NamedTuple):
@@ -161,6 +164,8 @@ def from_model(
     kwargs = {}
     if init_strategy is not None:
         kwargs["init_strategy"] = init_strategy
+    if transforms is not None:
+        transforms = _with_default_transforms(model, model_args, model_kwargs or {}, transforms, init_strategy)
     try:
         init, potential_fn, transforms, prototype = initialize_model(
             model,
@@ -196,6 +201,29 @@ def from_model(
     layout = SiteLayout.of(init, batch_ndim=len(batch))
     zs = layout.pack({k: v.detach() for k, v in init.items()}, batch_shape=batch).reshape(-1, layout.dim)
     return FlatPotential(potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs)
+
+
+def _with_default_transforms(model, model_args, model_kwargs, transforms, init_strategy) -> dict:
+    """``transforms`` (the user's, to unconstrained space) completed with Pyro's default,
+    ``biject_to(support).inv``, for every continuous latent site they leave out: Pyro's
+    ``initialize_model`` takes a given dict as the whole set and fails with a bare
+    ``KeyError`` on the first site it lacks, where the kernels' ``transforms`` argument
+    overrides the defaults. One run of the model (under the init strategy) finds its sites;
+    a name that is not one of them is refused."""
+    with pyro.poutine.block(), torch.no_grad():
+        trace = pyro.poutine.trace(InitMessenger(init_strategy or init_to_uniform)(model)).get_trace(
+            *model_args, **model_kwargs)
+    latent = {
+        name: site for name, site in trace.iter_stochastic_nodes()
+        if not site_is_subsample(site) and not site["fn"].has_enumerate_support
+    }
+    unknown = sorted(set(transforms) - set(latent))
+    if unknown:
+        raise ValueError(
+            f"transforms are given for {unknown}, which are not continuous latent sites of the model "
+            f"(those are {sorted(latent)})"
+        )
+    return {**{name: biject_to(site["fn"].support).inv for name, site in latent.items()}, **transforms}
 
 
 def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:

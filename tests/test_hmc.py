@@ -174,6 +174,31 @@ def test_float64_data_with_float32_latents(kernel_class):
         assert_variance(mu.numpy(), var)
 
 
+def test_model_with_transforms_for_some_sites_keeps_the_defaults_for_the_rest():
+    """``transforms`` with a model override the defaults site by site; Pyro's own kernels
+    take the dict as the whole set and fail with ``KeyError: 'mu'``. A name that is not a
+    latent site gets a clear error."""
+    from torch.distributions.transforms import SoftplusTransform
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))  # not in transforms: Pyro's default
+        rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Poisson(rate), obs=y)
+            pyro.sample("x", dist.Normal(mu, 1.0), obs=y)
+
+    y = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
+    softplus = SoftplusTransform().inv  # constrained -> unconstrained, as Pyro's transforms
+    kernel = NUTS(model, transforms={"rate": softplus})
+    rate = run(kernel, 1000, 300, y).get_samples()["rate"].numpy()
+    assert kernel.transforms["rate"] is softplus
+    shape, rate_param = gamma_poisson_posterior(y)
+    assert_mean(rate, shape / rate_param)
+    assert_variance(rate, shape / rate_param**2)
+    with pytest.raises(ValueError, match=r"\['rtae'\], which are not continuous latent sites"):
+        run(NUTS(model, transforms={"rtae": softplus}), 10, 10, y)
+
+
 def test_potential_fn_with_initial_params_and_transforms():
     def potential_fn(params):
         return 0.5 * ((params["x"] - 1.0) ** 2).sum()
