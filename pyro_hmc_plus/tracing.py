@@ -230,8 +230,10 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
                 gm = make_fx(fn, tracing_mode="fake", _error_on_data_dependent_ops=False)(*example_inputs)
         else:
             gm = _record(tainted_fn if check_escapes else fn, example_inputs)
-    except UntraceableModel:
-        raise
+    except UntraceableModel as e:
+        while isinstance(e.__cause__, UntraceableModel):  # Pyro re-raises an error from inside a
+            e = e.__cause__  # model with its trace's shapes appended: the first one says why
+        raise e
     except Exception as e:  # tracing failures come in many types; all mean "not traceable"
         raise UntraceableModel(f"tracing failed: {type(e).__name__}: {e}") from e
     for graph_pass in (

@@ -47,6 +47,21 @@ def test_untraceable_potential_falls_back_to_eager_with_one_warning():
     assert torch.allclose(U, torch.tensor(2.5)) and torch.allclose(g, torch.tensor([-4.0, 2.0]))
 
 
+def test_untraceable_model_warns_why_without_pyros_trace_shapes():
+    """Pyro re-raises an error from inside a model with a table of its sites' shapes
+    appended; the fallback warning says why in one sentence, not with that table."""
+
+    def model():
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        if mu > 0:  # a Python branch on a latent value
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=torch.tensor(1.0))
+
+    with pytest.warns(EngineFallbackWarning) as record:
+        GradientEngine(from_model(model))
+    message = str(record[0].message)
+    assert "Python `if`" in message and "Trace Shapes" not in message
+
+
 def test_data_only_branch_is_traced():
     data = torch.tensor([1.0, 2.0])
 
