@@ -185,9 +185,9 @@ def from_model(
             "site: a prior that cannot be sampled (e.g. ImproperUniform) needs "
             "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
-    except RuntimeError as e:
-        if "valid initial" in str(e) or "initial" in str(e).lower():
-            raise RuntimeError(
+    except (RuntimeError, ValueError) as e:
+        if "valid initial" in str(e):  # Pyro's "cannot find valid initial params"
+            raise type(e)(
                 f"{str(e).rstrip('.')}. The potential energy was not finite at any initial point "
                 "the init strategy tried: check the model's data and priors, or pass finite "
                 "`initial_params` (or another `init_strategy`)."
@@ -227,8 +227,15 @@ def _with_default_transforms(model, model_args, model_kwargs, transforms, init_s
 
 
 def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
-    """Raise a clear error unless each given (unconstrained) initial value has the shape of
-    its site in unconstrained space (Pyro itself does not check)."""
+    """Raise a clear error unless every latent site (each has a transform) has a given
+    initial value and each has the shape of its site in unconstrained space (Pyro itself
+    does not check: a missing site failed later with a bare ``KeyError``)."""
+    missing = sorted(set(transforms) - set(initial_params))
+    if missing:
+        raise ValueError(
+            f"initial_params has no value for {missing}: give an unconstrained value for every latent "
+            f"site of the model ({sorted(transforms)})"
+        )
     for name, value in initial_params.items():
         node = prototype_trace.nodes.get(name)
         if node is None:

@@ -174,22 +174,26 @@ def test_float64_data_with_float32_latents(kernel_class):
         assert_variance(mu.numpy(), var)
 
 
+def _normal_and_poisson(y):
+    """``x ~ N(mu, 1)`` and ``y ~ Poisson(rate)`` on the same data: ``rate`` 's posterior is
+    :func:`gamma_poisson_posterior`'s."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Poisson(rate), obs=y)
+        pyro.sample("x", dist.Normal(mu, 1.0), obs=y)
+
+
 def test_model_with_transforms_for_some_sites_keeps_the_defaults_for_the_rest():
     """``transforms`` with a model override the defaults site by site; Pyro's own kernels
     take the dict as the whole set and fail with ``KeyError: 'mu'``. A name that is not a
     latent site gets a clear error."""
     from torch.distributions.transforms import SoftplusTransform
 
-    def model(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 10.0))  # not in transforms: Pyro's default
-        rate = pyro.sample("rate", dist.Gamma(2.0, 1.0))
-        with pyro.plate("data", len(y)):
-            pyro.sample("y", dist.Poisson(rate), obs=y)
-            pyro.sample("x", dist.Normal(mu, 1.0), obs=y)
-
+    model = _normal_and_poisson
     y = torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0])
     softplus = SoftplusTransform().inv  # constrained -> unconstrained, as Pyro's transforms
-    kernel = NUTS(model, transforms={"rate": softplus})
+    kernel = NUTS(model, transforms={"rate": softplus})  # "mu": Pyro's default
     rate = run(kernel, 1000, 300, y).get_samples()["rate"].numpy()
     assert kernel.transforms["rate"] is softplus
     shape, rate_param = gamma_poisson_posterior(y)
@@ -303,6 +307,15 @@ def test_bad_arguments_get_clear_errors():
 def test_non_finite_initial_params_are_rejected():
     with pytest.raises(ValueError, match="not finite"):
         run(HMC(gauss2d), 5, 5, initial_params={"q": torch.tensor([float("inf"), 0.0])})
+
+
+def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_clear_errors():
+    """Both failed deep inside Pyro: a bare ``KeyError: 'rate'`` from the potential, and
+    "Model specification seems incorrect" with nothing about what to check."""
+    with pytest.raises(ValueError, match=r"no value for \['rate'\]: .* \(\['mu', 'rate'\]\)"):
+        run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0)})
+    with pytest.raises(ValueError, match="not finite at any initial point .* check the model's data"):
+        run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([1.0, -1.0]))  # a Poisson count below 0
 
 
 def test_same_seed_same_draws():
