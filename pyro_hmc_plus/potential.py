@@ -157,9 +157,10 @@ def from_model(
 ) -> FlatPotential:
     """Build the flat potential of a Pyro model with Pyro's own ``initialize_model``.
 
-    Pyro chooses the transforms, enumerates discrete sites where it can, runs the init
-    strategy (retrying until the potential is finite; once per chain) and defines ``U``; we
-    only flatten. ``initial_zs`` holds each chain's starting point.
+    Pyro chooses the transforms (``transforms`` overrides them site by site), enumerates
+    discrete sites where it can, runs the init strategy (retrying until the potential is
+    finite; once per chain) and defines ``U``; we only flatten. ``initial_zs`` holds each
+    chain's starting point.
     """
     kwargs = {}
     if init_strategy is not None:
