@@ -121,8 +121,8 @@ def to_inference_data(
 
     :param mcmc: a finished :class:`pyro_hmc_plus.MCMC` or :class:`pyro.infer.MCMC`.
     :param bool save_warmup: also export ``warmup_sample_stats``, and ``warmup_posterior``
-        where the warmup draws were kept (:class:`pyro_hmc_plus.MCMC` keeps them;
-        ``pyro.infer.MCMC`` does not).
+        where the warmup draws were kept (:class:`pyro_hmc_plus.MCMC` keeps them, but not
+        with ``chain_method="parallel"``; ``pyro.infer.MCMC`` does not).
     :param dict coords: ArviZ coordinates, ``{dim name: values}``.
     :param dict dims: ``{site: [dim names]}``; sites not given get their ``pyro.plate`` names.
     :param bool log_likelihood: pointwise log likelihood of every observed site (for
@@ -173,8 +173,9 @@ def to_inference_data(
             groups["warmup_posterior"] = {k: v.detach().cpu().numpy() for k, v in warmup_samples.items()}
         else:
             warnings.warn(
-                "pyro.infer.MCMC does not keep warmup draws: exporting warmup sample statistics "
-                "only (run with pyro_hmc_plus.MCMC to get warmup_posterior too)",
+                "this run does not keep warmup draws (pyro.infer.MCMC and chain_method='parallel' "
+                "discard them): exporting warmup sample statistics only (pyro_hmc_plus.MCMC with "
+                "vectorized or sequential chains gives warmup_posterior too)",
                 UserWarning,
                 stacklevel=2,
             )

@@ -134,15 +134,34 @@ class MCMC(pyro.infer.MCMC):
         self._initial_params = initial_params
         self._hook = hook_fn
         self._diagnostics = [None] * num_chains
+        self._warmup_rows = []  # sequential chains: each chain's warmup draws, flat and unconstrained
         self.sampler = _SequentialSampler(
             kernel, num_samples, self.warmup_steps, num_chains, disable_progbar,
-            initial_params=initial_params, hook=hook_fn,
+            initial_params=initial_params, hook=self._keeping_warmup(hook_fn),
         )
+
+    def _keeping_warmup(self, hook_fn):
+        """``hook_fn`` that also keeps each sequential chain's warmup draws (Pyro's loop of
+        kernel calls discards them) for :attr:`warmup_samples`, as the vectorized run does."""
+
+        def hook(kernel, params, stage, i):
+            if isinstance(kernel, HMC) and stage.startswith("Warmup"):
+                if i == 0:
+                    self._warmup_rows.append([])
+                self._warmup_rows[-1].append(kernel._flat.layout.pack(params))
+            if hook_fn is not None:
+                hook_fn(kernel, params, stage, i)
+
+        return hook
 
     @poutine.block
     def run(self, *args, **kwargs):
         if self.chain_method != "vectorized":
+            self._warmup_rows = []
             super().run(*args, **kwargs)
+            if self._warmup_rows and len(self._warmup_rows) == self.num_chains:  # sequential, this package's kernel
+                num_kept = min(len(rows) for rows in self._warmup_rows)
+                self.warmup_samples = self._constrained(torch.stack([torch.stack(r[:num_kept]) for r in self._warmup_rows]))
         else:
             self._run_vectorized(args, kwargs)
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0

@@ -209,6 +209,28 @@ def test_lp_is_minus_the_potential_energy_with_jacobian_under_pyro_mcmc():
     assert warm.warmup_sample_stats["lp"].shape == (2, 50) and not hasattr(warm, "warmup_posterior")
 
 
+def test_sequential_chains_keep_their_warmup_draws():
+    """``pyro_hmc_plus.MCMC`` runs sequential chains through Pyro's loop, which discards the
+    warmup draws: ``warmup_posterior`` was missing (with a warning that blamed
+    ``pyro.infer.MCMC``). Each warmup draw is where its statistics were recorded: lp = -U."""
+    y = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0])
+    pyro.set_rng_seed(2)
+    mcmc = MCMC(NUTS(gamma_poisson), num_samples=20, warmup_steps=30, num_chains=2, chain_method="sequential",
+                disable_progbar=True, warn_on_problems=False)
+    mcmc.run(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        idata = to_inference_data(mcmc, save_warmup=True)
+    rate = idata.warmup_posterior["rate"]
+    assert rate.shape == (2, 30)
+    _, potential_fn, transforms, _ = initialize_model(gamma_poisson, (y,))
+    for chain in range(2):
+        for draw in (0, 13, 29):
+            u = transforms["rate"](torch.tensor(rate[chain, draw].item()))
+            expected = -potential_fn({"rate": u}).item()
+            assert idata.warmup_sample_stats["lp"][chain, draw].item() == pytest.approx(expected, rel=1e-4, abs=1e-4)
+
+
 def test_a_run_that_never_moves_is_reported_without_numpys_warnings():
     """Every transition rejected (a step size far too large, no warmup to fix it): the draws
     are constant, ArviZ's R-hat divides by a zero variance, and the user gets one
