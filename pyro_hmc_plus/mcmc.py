@@ -134,34 +134,17 @@ class MCMC(pyro.infer.MCMC):
         self._initial_params = initial_params
         self._hook = hook_fn
         self._diagnostics = [None] * num_chains
-        self._warmup_rows = []  # sequential chains: each chain's warmup draws, flat and unconstrained
         self.sampler = _SequentialSampler(
             kernel, num_samples, self.warmup_steps, num_chains, disable_progbar,
-            initial_params=initial_params, hook=self._keeping_warmup(hook_fn),
+            initial_params=initial_params, hook=hook_fn,
         )
-
-    def _keeping_warmup(self, hook_fn):
-        """``hook_fn`` that also keeps each sequential chain's warmup draws (Pyro's loop of
-        kernel calls discards them) for :attr:`warmup_samples`, as the vectorized run does."""
-
-        def hook(kernel, params, stage, i):
-            if isinstance(kernel, HMC) and stage.startswith("Warmup"):
-                if i == 0:
-                    self._warmup_rows.append([])
-                self._warmup_rows[-1].append(kernel._flat.layout.pack(params))
-            if hook_fn is not None:
-                hook_fn(kernel, params, stage, i)
-
-        return hook
 
     @poutine.block
     def run(self, *args, **kwargs):
-        if self.chain_method != "vectorized":
-            self._warmup_rows = []
+        if self.chain_method == "parallel":
             super().run(*args, **kwargs)
-            if self._warmup_rows and len(self._warmup_rows) == self.num_chains:  # sequential, this package's kernel
-                num_kept = min(len(rows) for rows in self._warmup_rows)
-                self.warmup_samples = self._constrained(torch.stack([torch.stack(r[:num_kept]) for r in self._warmup_rows]))
+        elif self.chain_method == "sequential":
+            self._run_sequential(args, kwargs)
         else:
             self._run_vectorized(args, kwargs)
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
@@ -175,6 +158,53 @@ class MCMC(pyro.infer.MCMC):
                     RuntimeWarning,
                     stacklevel=3,
                 )
+
+    def _run_sequential(self, args, kwargs):
+        """Pyro's run, chain after chain, keeping what Pyro's loop discards where the kernel
+        is this package's (:class:`_SequentialSampler` records each chain's draws): the warmup
+        draws (:attr:`warmup_samples`, as a vectorized run keeps them) and, if the run is
+        interrupted, the draws made so far."""
+        self.num_chains = self.sampler.num_chains  # an interrupted run may have kept fewer
+        self._diagnostics = [None] * self.num_chains
+        try:
+            super().run(*args, **kwargs)
+        except KeyboardInterrupt:
+            if not any(getattr(self.sampler, "draws", [])):  # nothing drawn, or not this package's kernel
+                raise
+            self._keep_interrupted(args, kwargs)
+        draws = getattr(self.sampler, "draws", [])
+        if draws and len(draws) == self.num_chains:
+            self.warmup_samples = self._constrained(self._recorded(0, min(min(len(d), self.warmup_steps) for d in draws)))
+
+    def _recorded(self, start: int, stop: int) -> torch.Tensor:
+        """Draws ``start:stop`` of each chain the sequential sampler recorded, ``(C, stop - start, D)``."""
+        empty = self.kernel._flat.initial_z.new_empty(0, self.kernel._flat.dim)
+        return torch.stack([torch.stack(d[start:stop]) if stop > start else empty for d in self.sampler.draws])
+
+    def _keep_interrupted(self, args, kwargs):
+        """After a ``KeyboardInterrupt`` of sequential chains: the same post-warmup draws of
+        every chain that has some (the chains that finished, and the interrupted one if it was
+        past its warmup), as many as the shortest has; the chains that never started are not
+        kept (``num_chains`` says how many were, until the next ``run``)."""
+        draws, W = self.sampler.draws, self.warmup_steps
+        interrupted = len(draws) - 1
+        kept = [c for c, d in enumerate(draws) if len(d) > W] or [c for c, d in enumerate(draws) if d]
+        if interrupted in kept:
+            self._diagnostics[interrupted] = self.kernel.diagnostics()
+        num_kept = min(max(len(draws[c]) - W, 0) for c in kept)
+        warnings.warn(
+            f"sampling interrupted in chain {interrupted} of {self.sampler.num_chains}: draws per chain "
+            f"{[len(d) for d in draws]} (of {W + self.num_samples}, warmup {W}); keeping the first "
+            f"{num_kept} post-warmup draws of chains {kept}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+        self.num_chains = len(kept)
+        self._diagnostics = [self._diagnostics[c] for c in kept]
+        self.sampler.draws = [draws[c] for c in kept]
+        if self.transforms is None:
+            self._set_transforms(*args, **kwargs)
+        self._samples = self._constrained(self._recorded(W, W + num_kept))
 
     def _run_vectorized(self, args, kwargs):
         self._args, self._kwargs = args, kwargs
@@ -245,7 +275,13 @@ class _SequentialSampler(_UnarySampler):
     counts draws and shows ``kernel.logging()`` at most twice a second."""
 
     def run(self, *args, **kwargs):
+        # each started chain's draws, warmup first, as flat unconstrained vectors, where the
+        # kernel is this package's: the warmup draws (which Pyro's loop discards) and, if the
+        # run is interrupted, the draws made so far (which Pyro's accumulator loses)
+        self.draws = []
         for chain in range(self.num_chains):
+            if isinstance(self.kernel, HMC):
+                self.draws.append([])
             if self.initial_params is not None:
                 self.kernel.initial_params = {k: v[chain] for k, v in self.initial_params.items()}
             bar = tqdm(total=self.warmup_steps + self.num_samples, disable=self.disable_progbar,
@@ -253,6 +289,8 @@ class _SequentialSampler(_UnarySampler):
             shown = {"stage": None, "at": 0.0}
 
             def hook(kernel, params, stage, i):
+                if self.draws:
+                    self.draws[-1].append(kernel._flat.layout.pack(params))
                 bar.update(1)
                 if not self.disable_progbar:
                     now = time.monotonic()

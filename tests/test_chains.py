@@ -328,6 +328,32 @@ def test_interrupt_keeps_the_draws_made_so_far():
     assert len(mcmc.kernel.sample_stats[-1]["lp"]) >= 100
 
 
+def test_interrupting_sequential_chains_keeps_the_chains_with_draws():
+    """Sequential chains run through Pyro's loop, whose accumulator an interrupt lost (the
+    run raised ``KeyboardInterrupt`` and every draw was gone). The finished chain and the
+    interrupted one keep as many draws as the shorter has; the export works on them, and the
+    next run has every chain again."""
+    interrupt = {"at": ("Sample [1]", 30)}
+
+    def hook(kernel, params, stage, i):
+        if (stage, i) == interrupt["at"]:
+            raise KeyboardInterrupt
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(gauss2d), num_samples=100, warmup_steps=50, num_chains=3, chain_method="sequential",
+                hook_fn=hook, disable_progbar=True)
+    with pytest.warns(RuntimeWarning, match=r"interrupted in chain 1 of 3: draws per chain \[150, 81\] .* "
+                                            r"keeping the first 31 post-warmup draws of chains \[0, 1\]"):
+        mcmc.run()
+    assert mcmc.get_samples(group_by_chain=True)["q"].shape == (2, 31, 2)
+    idata = mcmc.to_inference_data(save_warmup=True)
+    assert idata.posterior["q"].shape == (2, 31, 2) and idata.sample_stats["lp"].shape == (2, 31)
+    assert idata.warmup_posterior["q"].shape == (2, 50, 2)
+    interrupt["at"] = None
+    mcmc.run()
+    assert mcmc.get_samples(group_by_chain=True)["q"].shape == (3, 100, 2)
+
+
 def test_a_failing_check_after_the_run_keeps_the_draws(monkeypatch):
     """The checks after a run (Stan's diagnostics, which trace the model for ArviZ) once
     raised from ``run()`` after every draw was made (a prior that cannot be sampled). Any
