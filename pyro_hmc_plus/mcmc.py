@@ -290,7 +290,7 @@ class _SequentialSampler(_UnarySampler):
 
             def hook(kernel, params, stage, i):
                 if self.draws:
-                    self.draws[-1].append(kernel._flat.layout.pack(params))
+                    self.draws[-1].append(kernel._state.z)  # the flat vector ``params`` unpacks (never written)
                 bar.update(1)
                 if not self.disable_progbar:
                     now = time.monotonic()
