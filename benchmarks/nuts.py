@@ -19,7 +19,9 @@ fresh processes. Reported, median over ``--reps``:
 * ESS/s: the minimum bulk ESS (ArviZ) over all scalar latent parameters, divided by the
   wall time of the whole run (setup, compile and warmup included);
 * ESS/grad: the same ESS divided by all leapfrog steps of the run (warmup included).
-  Repetition ``k`` uses seed ``k`` for every contender, so ESS medians are over seeds too.
+  Repetition ``k`` uses seed ``first_seed + k`` (``--first-seed``, default 0) for every
+  contender, so ESS medians are over seeds too; ``ESS/grad mean`` is the mean over the seeds
+  with its standard error, for telling two samplers' mixing apart (many seeds: ``--reps 48``).
   Pyro's steps are counted as model executions (one per gradient; not available with
   ``jit_compile``, which runs the model once).
 
@@ -222,6 +224,7 @@ def main():
     parser.add_argument("--warmup", type=int, default=500)
     parser.add_argument("--samples", type=int, default=500)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0, help="seed of the first repetition")
     parser.add_argument("--warm", action="store_true", help="one untimed run per contender first (fills on-disk caches)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -234,12 +237,13 @@ def main():
         f"NUTS, 1 chain, {args.warmup} warmup + {args.samples} draws, "
         f"{'warm' if args.warm else 'cold'} start, median of {args.reps} fresh processes"
     )
-    print(f"{'model':<14} {'contender':<14} {'wall s':>8} {'min ESS':>8} {'ESS/s':>8} {'ESS/grad':>9} {'ESS/s vs Pyro':>14}")
+    print(f"{'model':<14} {'contender':<14} {'wall s':>8} {'min ESS':>8} {'ESS/s':>8} {'ESS/grad':>9} {'ESS/s vs Pyro':>14} "
+          f"{'ESS/grad mean':>19}")
     for model_name in args.models:
         results = {c: [] for c in args.contenders}
-        for rep in range(-1 if args.warm else 0, args.reps):  # seed = rep: every contender sees the same seeds
+        for rep in range(-1 if args.warm else 0, args.reps):  # every contender sees the same seeds
             for contender in args.contenders:
-                cmd = [sys.executable, __file__, "--child", model_name, contender, str(rep % 1000),
+                cmd = [sys.executable, __file__, "--child", model_name, contender, str((args.first_seed + rep) % 1000),
                        "--warmup", str(args.warmup), "--samples", str(args.samples)]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
@@ -251,13 +255,20 @@ def main():
         def median(runs, f):
             return statistics.median(f(r) for r in runs) if runs else float("nan")
 
+        def mean_and_se(values):
+            values = list(values)
+            if len(values) < 2:
+                return f"{statistics.fmean(values) if values else float('nan'):.4f}"
+            return f"{statistics.fmean(values):.4f} +- {statistics.stdev(values) / len(values) ** 0.5:.4f}"
+
         base = median(results.get("pyro", []), lambda r: r["ess"] / r["wall_s"])
         for contender, runs in results.items():
             ess_per_s = median(runs, lambda r: r["ess"] / r["wall_s"])
             print(
                 f"{model_name:<14} {contender:<14} {median(runs, lambda r: r['wall_s']):>8.1f} "
                 f"{median(runs, lambda r: r['ess']):>8.0f} {ess_per_s:>8.1f} "
-                f"{median(runs, lambda r: r['ess'] / r['gradients']):>9.4f} {ess_per_s / base:>14.1f}",
+                f"{median(runs, lambda r: r['ess'] / r['gradients']):>9.4f} {ess_per_s / base:>14.1f} "
+                f"{mean_and_se(r['ess'] / r['gradients'] for r in runs):>19}",
                 flush=True,
             )
 
