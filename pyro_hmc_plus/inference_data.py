@@ -116,6 +116,7 @@ def to_inference_data(
     dims: Optional[dict] = None,
     log_likelihood: bool = True,
     constant_data: Optional[dict] = None,
+    deterministic: bool = True,
 ):
     """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) for a run of :class:`~pyro_hmc_plus.HMC` / :class:`~pyro_hmc_plus.NUTS`.
 
@@ -129,6 +130,7 @@ def to_inference_data(
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
         ``pyro.infer.Predictive`` (draw by draw where the model does not broadcast over them).
     :param dict constant_data: extra data to store (``{name: array}``).
+    :param bool deterministic: export the ``pyro.deterministic`` sites (below).
 
     ``pyro.deterministic`` sites are in the posterior, their value at every draw from the same
     replay (as NumPyro's export and Stan's transformed parameters): Pyro records them as
@@ -143,7 +145,7 @@ def to_inference_data(
     model = getattr(mcmc.kernel, "model", None)
     args, kwargs = getattr(mcmc, "_args", None) or (), getattr(mcmc, "_kwargs", None) or {}
     all_dims = {}
-    observed, loglik, deterministic = {}, {}, {}
+    observed, loglik, computed = {}, {}, {}
     if model is not None:
         model = _starting_at(model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]})
         trace = _model_trace(model, args, kwargs)
@@ -154,12 +156,13 @@ def to_inference_data(
             if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
             and not _is_deterministic(site)
         }
-        shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items() if _is_deterministic(site)}
+        shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items()
+                  if deterministic and _is_deterministic(site)}
         if (log_likelihood and observed) or shapes:
-            loglik, deterministic = _replay(model, args, kwargs, mcmc.get_samples(), trace,
-                                            observed if log_likelihood else {}, shapes, num_chains, num_draws)
+            loglik, computed = _replay(model, args, kwargs, mcmc.get_samples(), trace,
+                                       observed if log_likelihood else {}, shapes, num_chains, num_draws)
     all_dims.update(dims or {})
-    groups = dict(posterior={**samples, **deterministic}, sample_stats=post_stats)
+    groups = dict(posterior={**samples, **computed}, sample_stats=post_stats)
     if loglik:
         groups["log_likelihood"] = loglik
     if observed:
@@ -312,7 +315,9 @@ def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
     (``stacklevel`` as for :func:`warnings.warn`)."""
     import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
 
-    idata = run if hasattr(run, "posterior") else to_inference_data(run, log_likelihood=False)
+    # the sampled sites only: no replay of the model (draw by draw for a model that does not
+    # broadcast), and no R-hat of a deterministic site computed from the data alone (constant)
+    idata = run if hasattr(run, "posterior") else to_inference_data(run, log_likelihood=False, deterministic=False)
     post, stats = idata.posterior, idata.sample_stats
     num_chains, num_draws = post.sizes["chain"], post.sizes["draw"]
     if num_draws < 4:
@@ -349,8 +354,9 @@ def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
         warnings.simplefilter("ignore")
         ess_bulk, ess_tail = az.ess(idata, method="bulk"), az.ess(idata, method="tail")
         rhat = az.rhat(idata) if num_chains > 1 else None  # R-hat compares chains (ArviZ logs a shape warning for one)
+        if rhat is not None:
+            max_rhat = float(np.nanmax([np.nanmax(np.asarray(v)) for v in rhat.data_vars.values()]))
     if rhat is not None:
-        max_rhat = float(np.nanmax([np.nanmax(np.asarray(v)) for v in rhat.data_vars.values()]))
         high_rhat = _names_where(rhat, lambda x: x > RHAT_THRESHOLD)
     floor = ESS_PER_CHAIN * num_chains
     low_bulk = _names_where(ess_bulk, lambda x: x < floor)

@@ -89,6 +89,10 @@ def test_deterministic_sites_are_in_the_posterior_not_the_data():
         warnings.simplefilter("ignore")  # Pareto k warnings on 8 observations
         assert np.isfinite(az.loo(idata).elpd_loo)  # one log likelihood: no var_name needed
     assert "theta" in to_inference_data(mcmc, log_likelihood=False).posterior
+    assert "theta" not in to_inference_data(mcmc, deterministic=False).posterior
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run's checks look at the sampled sites only: no
+        assert diagnose(mcmc).num_draws == 50  # R-hat of the constant "scale" (numpy's all-NaN warning)
 
 
 def test_a_model_that_does_not_broadcast_over_draws_is_replayed_draw_by_draw():
