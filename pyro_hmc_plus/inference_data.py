@@ -30,6 +30,8 @@ import torch
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_value
 from pyro.poutine.util import site_is_subsample
 
+from .potential import model_trace
+
 STAT_NAMES = ("lp", "energy", "diverging", "acceptance_rate", "step_size", "tree_depth", "n_steps",
               "reached_max_treedepth")
 _STAT_DTYPES = {"diverging": bool, "reached_max_treedepth": bool, "tree_depth": np.int64, "n_steps": np.int64}
@@ -78,11 +80,6 @@ def _starting_at(model, draw: Dict[str, torch.Tensor]):
     sites (here, and Pyro's ``Predictive`` before it conditions on the draws) then work for
     priors that cannot be sampled (``ImproperUniform``). Observed sites stay observed."""
     return InitMessenger(init_to_value(values=draw))(model)
-
-
-def _model_trace(model, args, kwargs):
-    with torch.no_grad(), pyro.poutine.block():
-        return pyro.poutine.trace(model).get_trace(*args, **kwargs)
 
 
 def plate_dims(trace) -> Dict[str, List[str]]:
@@ -148,7 +145,7 @@ def to_inference_data(
     observed, loglik, computed = {}, {}, {}
     if model is not None:
         model = _starting_at(model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]})
-        trace = _model_trace(model, args, kwargs)
+        trace = model_trace(model, args, kwargs)
         all_dims = plate_dims(trace)
         observed = {
             name: site["value"].detach().cpu().numpy()
@@ -234,7 +231,7 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
                   for name, shape in deterministic_shapes.items()}
     except Exception:  # the model does not broadcast over the draws: replay them one by one
         try:
-            replayed = [_model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
+            replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
                         for i in range(num)]
             log_p = {name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed}
             values = {name: torch.stack([t.nodes[name]["value"] for t in replayed]) for name in deterministic_shapes}

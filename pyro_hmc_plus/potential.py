@@ -204,6 +204,13 @@ def from_model(
     return FlatPotential(potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs)
 
 
+def model_trace(model, args, kwargs):
+    """One run of ``model`` recorded as a Pyro trace, hidden from any handler outside (an
+    enclosing ``MCMC.run``) and without gradients."""
+    with pyro.poutine.block(), torch.no_grad():
+        return pyro.poutine.trace(model).get_trace(*args, **kwargs)
+
+
 def _with_default_transforms(model, model_args, model_kwargs, transforms, init_strategy) -> dict:
     """``transforms`` (the user's, to unconstrained space) completed with Pyro's default,
     ``biject_to(support).inv``, for every continuous latent site they leave out: Pyro's
@@ -211,9 +218,7 @@ def _with_default_transforms(model, model_args, model_kwargs, transforms, init_s
     ``KeyError`` on the first site it lacks, where the kernels' ``transforms`` argument
     overrides the defaults. One run of the model (under the init strategy) finds its sites;
     a name that is not one of them is refused."""
-    with pyro.poutine.block(), torch.no_grad():
-        trace = pyro.poutine.trace(InitMessenger(init_strategy or init_to_uniform)(model)).get_trace(
-            *model_args, **model_kwargs)
+    trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
     latent = {
         name: site for name, site in trace.iter_stochastic_nodes()
         if not site_is_subsample(site) and not site["fn"].has_enumerate_support
