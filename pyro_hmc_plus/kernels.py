@@ -578,9 +578,9 @@ class HMC(MCMCKernel):
     def _chains_init(self, state: HMCState, metric: Metric, step_size: chain_batch.StepSize):
         return chain_batch.hmc_init(state, metric, step_size)
 
-    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):
-        """One round for every chain: ``(chains, draw, done, steps)``. ``chunks`` is NUTS's
-        choice of round (:func:`pyro_hmc_plus.rounds.nuts_round`); HMC has one kind."""
+    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, kind: int):
+        """One round for every chain: ``(chains, draw, done, steps)``. ``kind`` is NUTS's
+        kind of round (:data:`pyro_hmc_plus.rounds.ROUND_KINDS`); HMC has one kind."""
         return chain_batch.hmc_round(value_and_grad, chains, noise, uniforms, metric, schedule,
                                      self.trajectory_length, self._steps_per_round(), self._fixed_num_steps())
 
@@ -589,12 +589,12 @@ class HMC(MCMCKernel):
         all trajectories have that length), else ``None``."""
         return None if self.adapt_step_size else self.num_steps
 
-    def _chains_continuing(self, chains):
-        """``(C,)`` bool: chains that a round with ``chunks=False`` would not advance (NUTS
-        chains in the middle of a deep tree; none for HMC)."""
-        return torch.zeros_like(chains.draws, dtype=torch.bool)
+    def _chains_next_kind(self, chains, schedule) -> torch.Tensor:
+        """The kind of the next round, ``()`` int64: NUTS's choice
+        (:func:`pyro_hmc_plus.rounds.next_round_kind`); HMC has one kind (0)."""
+        return torch.zeros((), dtype=torch.int64, device=chains.draws.device)
 
-    def _steps_per_round(self, chunks: bool = True) -> int:
+    def _steps_per_round(self, kind: int = rounds.MIXED) -> int:
         """Leapfrog steps per chain in one round of :meth:`_chains_advance` (HMC: a whole
         trajectory where all have the same length of at most ``max_unroll`` steps, else
         :data:`chain_batch.ROUND_STEPS`, at most ``max_unroll``)."""
@@ -913,20 +913,20 @@ class NUTS(HMC):
     def _chains_init(self, state: HMCState, metric: Metric, step_size: chain_batch.StepSize):
         return rounds.nuts_init(state, metric, step_size, self.max_tree_depth)
 
-    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, chunks: bool):
+    def _chains_advance(self, value_and_grad, chains, noise, uniforms, metric, schedule, kind: int):
         return rounds.nuts_round(
             value_and_grad, chains, noise, uniforms, metric, schedule, self.max_tree_depth, self.use_multinomial_sampling,
-            chunks=chunks,
+            kind=kind,
         )
 
-    def _chains_continuing(self, chains):
-        return ~chains.starting
+    def _chains_next_kind(self, chains, schedule):
+        return rounds.next_round_kind(chains, schedule)
 
     def _chains_settings(self) -> tuple:
         return self._program_settings()
 
-    def _steps_per_round(self, chunks: bool = True) -> int:
-        return rounds.steps_per_round(self.max_tree_depth, chunks)
+    def _steps_per_round(self, kind: int = rounds.MIXED) -> int:
+        return rounds.steps_per_round(self.max_tree_depth, kind)
 
     _chains_uniforms = rounds.NUM_UNIFORMS
 

@@ -24,8 +24,11 @@ In a round, each chain that is not paused does one of:
 The round's leapfrog steps are one batched trajectory of 8 steps per chain: a starting
 chain's follow the fused start's pattern (each doubling from the end its direction says;
 its 8th step is idle), a continuing chain's go straight on from its subtree's last leaf.
-Then the bookkeeping of both kinds runs for every chain, and each chain keeps its own. While
-no chain is continuing a tree, ``chunks=False`` rounds are the fused starts alone.
+Then the bookkeeping of both kinds runs for every chain, and each chain keeps its own. Where
+every chain does the same, a round runs its kind alone (:data:`ROUND_KINDS`): ``STARTS``
+while no chain is continuing a tree, ``CHUNKS`` while no chain is about to start one (on
+deep trees, most rounds: a chunk's leaves and bookkeeping without the fused start's, about
+half the operations of a round of both kinds). :func:`next_round_kind` says which.
 
 A chain whose transition ends emits its draw and updates its own step size by dual averaging
 (warmup). A transition is therefore exactly Stan's (same tree depth, number of steps,
@@ -71,6 +74,9 @@ ENTRY_DIRECTION = FIRST_DOUBLINGS + 3 * FUSED_DOUBLINGS
 CHUNK_DRAW, CHUNK_TAKE, TREE_DRAW, NEXT_DIRECTION = range(ENTRY_DIRECTION + 1, ENTRY_DIRECTION + 5)
 NUM_UNIFORMS = NEXT_DIRECTION + 1
 
+# Kinds of round: only transition starts, both kinds of work, only chunks of deeper trees.
+STARTS, MIXED, CHUNKS = ROUND_KINDS = (0, 1, 2)
+
 
 class SubtreeSoFar(NamedTuple):
     """The chunks of the subtree under construction, merged. Batch shape ``(C,)``."""
@@ -107,13 +113,25 @@ class NUTSChains(NamedTuple):
     draws: torch.Tensor  # int64: draws made so far (warmup included)
 
 
-def steps_per_round(max_tree_depth: int, chunks: bool = True) -> int:
-    """Leapfrog steps of one round per chain (:func:`nuts_round`): the fused start's, or a
-    chunk's where trees can be deeper than the fused start."""
+def steps_per_round(max_tree_depth: int, kind: int = MIXED) -> int:
+    """Leapfrog steps of one round of ``kind`` per chain (:func:`nuts_round`): the fused
+    start's, or a chunk's where trees can be deeper than the fused start."""
     fused = min(FUSED_DOUBLINGS, max_tree_depth)
-    if chunks and max_tree_depth > fused:
+    if kind != STARTS and max_tree_depth > fused:
         return max((1 << fused) - 1, 1 << CHUNK_DEPTH)
     return (1 << fused) - 1
+
+
+def next_round_kind(chains: "NUTSChains", schedule: Schedule) -> torch.Tensor:
+    """The kind of round (:data:`ROUND_KINDS`, a ``()`` int64 tensor) that serves every chain
+    next: ``CHUNKS`` if no chain that may draw is about to start a transition, ``STARTS`` if
+    none is in the middle of one, else ``MIXED``. A chain the host resumes after this (at
+    the end of an adaptation window) starts a transition: the host makes ``CHUNKS`` a
+    ``MIXED`` round then."""
+    continuing = (~chains.starting).any().long()
+    starting = (chains.starting & (chains.draws < schedule.pause_at)).any().long()
+    return continuing * (CHUNKS - starting)  # STARTS, MIXED, CHUNKS = 0, 1, 2 (no scalar `where`:
+    # Static Runtime refuses a program with one and the TorchScript interpreter runs it, slower)
 
 
 def _chunk_levels(max_tree_depth: int) -> int:
@@ -230,7 +248,7 @@ def nuts_round(
     max_tree_depth: int,
     multinomial: bool = True,
     max_energy_error: float = MAX_ENERGY_ERROR,
-    chunks: bool = True,
+    kind: int = MIXED,
 ):
     """One round for every chain that is not paused. ``noise (C, D)`` and ``uniforms (C,
     NUM_UNIFORMS)`` are this round's random numbers (the momentum and the fused start's
@@ -238,15 +256,26 @@ def nuts_round(
     steps)``: ``draw (C, D + NUM_STATS)`` holds the finished transitions' draws and statistics
     (:data:`pyro_hmc_plus.chain_batch.STAT_COLUMNS`), valid where ``done``; ``steps`` (int64) the
     leapfrog steps each chain used (counted as Stan counts them), for the batch utilisation.
-    ``chunks=False`` (only where no chain is continuing a tree): a round of transition
-    starts only, without the chunk's step and bookkeeping."""
+    ``kind`` (:data:`ROUND_KINDS`, as :func:`next_round_kind` says): ``STARTS`` (only where no
+    chain is continuing a tree) runs transition starts only, without the chunk's step and
+    bookkeeping; ``CHUNKS`` (only where no chain that may draw is starting one) runs chunks
+    only."""
     c = chains
     inv = metric.inverse_mass
     K = max_tree_depth
     KS = min(FUSED_DOUBLINGS, K)
     active = c.draws < schedule.pause_at
-    starting = c.starting & active
     step = c.step_size.value
+    if kind == CHUNKS and K > KS:
+        continuing = active & ~c.starting
+        leaves = stack_states(leapfrog_states(value_and_grad, c.leaf, nuts.signed_step_size(step, c.forward), inv,
+                                              1 << CHUNK_DEPTH))
+        advanced, ended, grown, chunk_steps = _next_chunk(c, leaves, uniforms, inv, K, multinomial, max_energy_error)
+        done = continuing & ended
+        steps = torch.where(continuing, chunk_steps, torch.zeros_like(chunk_steps))
+        return _emitted(c, advanced._replace(starting=done | ~active), done, nuts.info(grown), grown.proposal,
+                        schedule) + (steps,)
+    starting = c.starting & active
     log_slice = torch.zeros_like(step) if multinomial else uniforms[..., SLICE].log()
     first = uniforms[..., FIRST_DOUBLINGS : FIRST_DOUBLINGS + 3 * KS].unflatten(-1, (KS, 3))
     if KS == 1:  # one doubling of one leaf: the single-chain kernel's first doubling
@@ -262,7 +291,7 @@ def nuts_round(
         position = c.position
         fresh_start = IntegratorState(position.z, r0, position.potential_energy, position.grad)
         directions = nuts.is_forward(first)  # (C, KS)
-        with_chunks = chunks and K > KS
+        with_chunks = kind != STARTS and K > KS
         if with_chunks:
             continuing = active & ~c.starting
             directions = torch.where(continuing.unsqueeze(-1), c.forward.unsqueeze(-1), directions)  # straight on
@@ -306,8 +335,14 @@ def nuts_round(
             subtree=select(entering, _no_chunks(advanced.subtree.proposal, advanced.subtree.proposal_energy),
                            advanced.subtree),
         )
-    # the draw of a finished transition
-    draw = draw_row(proposal.z, info, step, info.n_steps, info.tree_depth)
+    return _emitted(c, advanced, done, info, proposal, schedule) + (steps,)
+
+
+def _emitted(c: NUTSChains, advanced: NUTSChains, done, info: nuts.NUTSInfo, proposal: HMCState, schedule: Schedule):
+    """``(chains, draw, done)`` after a round: the chains ``advanced``, with the transitions
+    that finished (``done``) moved to their ``proposal``, counted and their step sizes
+    adapted; ``draw`` their rows (valid where ``done``), with the step size they used."""
+    draw = draw_row(proposal.z, info, c.step_size.value, info.n_steps, info.tree_depth)
     draws, step_size = counted_and_adapted(c, done, info.acceptance_prob, schedule)
     advanced = advanced._replace(position=select(done, proposal, c.position), step_size=step_size, draws=draws)
-    return advanced, draw, done, steps
+    return advanced, draw, done

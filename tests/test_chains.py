@@ -80,14 +80,17 @@ def _first_draws(advance, chains):
             first_draw[c] = draw[c]
     return first_draw, steps_used
 
+@pytest.mark.parametrize("kinds", ["chosen", "mixed"])
 @pytest.mark.parametrize("step_size", [0.05, 0.3, 1.2, 3.0])
-def test_round_transitions_match_stan_recursion(step_size):
+def test_round_transitions_match_stan_recursion(step_size, kinds):
     """64 chains advanced round by round (a transition's first three doublings fused, then
     chunks of 8 leaves, whose blocks of 2, 4 and 8 chunks need the checkpointed U-turn
     checks at depth 7): every chain's first transition has the tree depth, leapfrog count and
     divergence of Stan's recursive algorithm from the same point, momentum and directions
     (fed through the uniforms each round reads: the fused start's, the fourth doubling's, and
-    the next subtree's), and the steps the rounds report add up to the transitions'."""
+    the next subtree's), and the steps the rounds report add up to the transitions'. Rounds
+    of the kind that serves every chain (``chosen``: here mostly chunks only, once the chains
+    whose trees stop early have paused) or all of both kinds (``mixed``)."""
     torch.manual_seed(1)
     C, D, K = 64, 3, 7
     value_and_grad, inv_mass, metric, z, noise = _gaussian_batch(C)
@@ -103,8 +106,8 @@ def test_round_transitions_match_stan_recursion(step_size):
         u[:, rounds.ENTRY_DIRECTION] = direction[:, rounds.FUSED_DOUBLINGS]
         after = torch.where(chains.starting, rounds.FUSED_DOUBLINGS + 1, chains.tree.depth + 1).clamp(max=K - 1)
         u[:, rounds.NEXT_DIRECTION] = direction.gather(1, after.unsqueeze(1)).squeeze(1)
-        chunks = bool((~chains.starting).any())  # as pyro_hmc_plus.MCMC chooses its rounds
-        return rounds.nuts_round(value_and_grad, chains, noise, u, metric, schedule, K, chunks=chunks)
+        kind = int(rounds.next_round_kind(chains, schedule)) if kinds == "chosen" else rounds.MIXED
+        return rounds.nuts_round(value_and_grad, chains, noise, u, metric, schedule, K, kind=kind)
 
     first_draw, steps_used = _first_draws(advance, chains)
     col = {name: D + i for i, name in enumerate(chain_batch.STAT_COLUMNS)}
@@ -147,6 +150,32 @@ def test_hmc_round_transitions_match_one_chain_transitions():
 
 
 # ---------------------------------------------------------------------------- MCMC, vectorized
+
+def badly_scaled():
+    pyro.sample("x", dist.Normal(torch.zeros(6), torch.logspace(-1.5, 1.5, 6)).to_event(1))
+
+
+def test_rounds_of_chunks_only_give_the_same_draws(monkeypatch):
+    """Deep trees (a badly scaled Gaussian, whose metric adapts in windows while other chains
+    are in the middle of trees): runs whose rounds without a starting chain are served by the
+    chunks-only program, or all by rounds of both kinds, give the same draws from the same
+    seed; the chunks-only program was built and used."""
+    import pyro_hmc_plus.mcmc as mcmc_module
+
+    def draws(threshold):
+        monkeypatch.setattr(mcmc_module, "CHUNK_ROUNDS_BEFORE_PROGRAM", threshold)
+        pyro.set_rng_seed(5)
+        kernel = NUTS(badly_scaled)
+        mcmc = run(kernel, num_chains=3, num_samples=30, warmup_steps=80)
+        built = {key[3] for key in kernel._programs if key[0] == "chains"}
+        return mcmc.get_samples(group_by_chain=True)["x"], mcmc.batch_utilisation, built
+
+    x_chunks, util_chunks, built = draws(0)
+    x_mixed, util_mixed, built_mixed = draws(10**9)
+    assert rounds.CHUNKS in built and rounds.CHUNKS not in built_mixed
+    torch.testing.assert_close(x_chunks, x_mixed, rtol=0, atol=0)
+    assert util_chunks == util_mixed
+
 
 def test_vectorized_nuts_matches_sequential_chains_and_exact_posterior():
     pyro.set_rng_seed(0)
