@@ -207,7 +207,7 @@ class GradientEngine:
             try:
                 with _compile.outside_traces():
                     example = self.flat.initial_z.expand(n, -1).clone()
-                    batched = torch.func.vmap(torch.func.functionalize(tracing.for_vmap(self._graph)))
+                    batched = torch.func.vmap(torch.func.functionalize(tracing.for_vmap(self._graph, example[0])))
                     graph = tracing.trace(batched, (example,), check_escapes=False)
             except (tracing.UntraceableModel, NotImplementedError):
                 graph = None

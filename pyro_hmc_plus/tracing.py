@@ -281,33 +281,87 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     return gm
 
 
-def for_vmap(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """``gm``, or a copy of it with the ops that ``vmap`` has no batching rule for written in
-    ops it has: ``binary_cross_entropy_with_logits(x, y)`` (Pyro's ``Bernoulli(logits=x)``
-    log density: every logistic regression) as ``(1 - y) * x - log_sigmoid(x)``, the same
-    values. Without this, ``vmap`` runs the op's Python decomposition, whose first call
-    imports ``torch._dynamo``: ~1.1 s, a sixth of a 4-chain logistic regression's run."""
-    nodes = [n for n in gm.graph.nodes if n.target is torch.ops.aten.binary_cross_entropy_with_logits.default]
-    if not nodes:
+def _out_of_place(node) -> Optional[torch._ops.OpOverload]:
+    """The out-of-place form of an in-place aten op that writes only its first argument
+    (``exp_.default`` -> ``exp.default``), or ``None``."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return None
+    args = target._schema.arguments
+    written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
+    name = target.overloadpacket.__name__
+    if not name.endswith("_") or len(written) != 1 or written[0] is not args[0]:
+        return None
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    return getattr(packet, target._overloadname, None) if packet is not None else None
+
+
+def _makes_new_tensor(node) -> bool:
+    """Whether ``node`` is an aten op whose result is a tensor of its own (not a view of an
+    input or of a constant)."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and all(r.alias_info is None for r in target._schema.returns))
+
+
+def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
+    """``gm``, or a copy of it with ops that ``vmap`` would run through their Python
+    decompositions written in ops it batches directly. The first call of such a
+    decomposition imports ``torch._dynamo``: ~1.1 s, a sixth of a 4-chain logistic
+    regression's run. The same values; ``example`` is an input of ``gm``.
+
+    - ``binary_cross_entropy_with_logits(x, y)`` (Pyro's ``Bernoulli(logits=x)``: every
+      logistic regression) as ``(1 - y) * x - log_sigmoid(x)``;
+    - in-place ops (``exp_``, ``clamp_``, ``bitwise_and_`` in the gradients of Pyro's simplex
+      and correlation transforms), which ``vmap`` of a ``functionalize``-d function still
+      decomposes, as their out-of-place forms, where nothing reads the tensor they write
+      after the write (a tensor of its own, whose other uses come before and are not
+      views of it) and the out-of-place result has the same dtype and shape (checked on
+      ``example``'s values)."""
+    aten = torch.ops.aten
+    bce = aten.binary_cross_entropy_with_logits.default
+    if not any(n.target is bce or _out_of_place(n) is not None for n in gm.graph.nodes):
         return gm
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
-    aten = torch.ops.aten
-    for node in [n for n in gm.graph.nodes if n.target is aten.binary_cross_entropy_with_logits.default]:
-        schema = node.target._schema
-        args = {a.name: a.default_value for a in schema.arguments}
-        args.update(zip((a.name for a in schema.arguments), node.args))
-        args.update(node.kwargs)
-        if args["weight"] is not None or args["pos_weight"] is not None or args["reduction"] != 0:
-            continue  # Pyro's is elementwise and unweighted; others keep the op
-        x, y = args["self"], args["target"]
-        with gm.graph.inserting_before(node):
-            loss = gm.graph.call_function(aten.sub.Tensor, (
-                gm.graph.call_function(aten.mul.Tensor, (gm.graph.call_function(aten.rsub.Scalar, (y, 1)), x)),
-                gm.graph.call_function(aten.log_sigmoid.default, (x,)),
-            ))
-        node.replace_all_uses_with(loss)
-        gm.graph.erase_node(node)
-    gm.graph.lint()
+    interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
+    interpreter.run(example)
+    values = interpreter.env
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+
+    def new_op(replaced, target, *args, **kwargs):  # in the graph's order where ``replaced`` is
+        new = graph.call_function(target, args, kwargs)
+        order[new] = order[replaced]
+        return new
+
+    for node in list(graph.nodes):
+        if node.target is bce:
+            schema = bce._schema
+            args = {a.name: a.default_value for a in schema.arguments}
+            args.update(zip((a.name for a in schema.arguments), node.args))
+            args.update(node.kwargs)
+            if args["weight"] is not None or args["pos_weight"] is not None or args["reduction"] != 0:
+                continue  # Pyro's is elementwise and unweighted; others keep the op
+            x, y = args["self"], args["target"]
+            with graph.inserting_before(node):
+                replacement = new_op(node, aten.sub.Tensor, new_op(node, aten.mul.Tensor, new_op(node, aten.rsub.Scalar, y, 1), x),
+                                     new_op(node, aten.log_sigmoid.default, x))
+        else:
+            out_of_place = _out_of_place(node)
+            written = node.args[0] if out_of_place is not None else None
+            if written is None or not _makes_new_tensor(written) or not all(
+                user is node or (order[user] < order[node] and _makes_new_tensor(user)) for user in written.users
+            ):
+                continue  # something may read the tensor after the write, or through a view of it
+            result = out_of_place(*torch.fx.node.map_arg(node.args, values.get), **node.kwargs)
+            if (result.dtype, result.shape) != (values[node].dtype, values[node].shape):
+                continue
+            with graph.inserting_before(node):
+                replacement = new_op(node, out_of_place, *node.args, **node.kwargs)
+        values[replacement] = values.pop(node)  # for the ops after it that read it
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+    graph.lint()
     gm.recompile()
     return gm
 

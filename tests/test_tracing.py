@@ -1112,23 +1112,31 @@ def logistic(x, y):
     w = pyro.sample("w", dist.Normal(torch.zeros(3), 1.0).to_event(1))
     with pyro.plate("n", 300):
         pyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
-engine = GradientEngine(from_model(logistic, (x, y)), "trace")
-z = torch.randn(4, 3, generator=g) * 3
-U, grad = engine.value_and_grad(z)
-for i in range(4):
-    U_i, grad_i = engine.eager_value_and_grad(z[i])
-    torch.testing.assert_close((U[i], grad[i]), (U_i, grad_i), rtol=1e-12, atol=1e-10)
+def correlated_simplex():
+    pyro.sample("w", dist.Dirichlet(torch.ones(4)))
+    pyro.sample("corr", dist.LKJCholesky(3, 2.0))
+for model, args in ((logistic, (x, y)), (correlated_simplex, ())):
+    flat = from_model(model, args)
+    engine = GradientEngine(flat, "trace")
+    z = flat.initial_z + torch.randn(4, flat.dim, generator=g) * 3
+    U, grad = engine.value_and_grad(z)
+    assert engine._batched_graphs[4] is not None
+    for i in range(4):
+        U_i, grad_i = engine.eager_value_and_grad(z[i])
+        torch.testing.assert_close((U[i], grad[i]), (U_i, grad_i), rtol=1e-10, atol=1e-10)
 print("torch._dynamo" in sys.modules)
 """
 
 
-def test_batched_bernoulli_gradient_needs_no_dynamo():
+def test_batched_gradients_need_no_dynamo():
     """The gradient for a batch of chains is ``vmap`` of the one-point graph; ``vmap`` has no
-    batching rule for ``binary_cross_entropy_with_logits`` (every ``Bernoulli(logits=...)``)
-    and would run its Python decomposition, whose first call imports ``torch._dynamo``
-    (~1.1 s of a run). The batched graph writes it in ops that batch: the values (at logits
-    of several hundred) agree with Pyro's eager potential, and nothing imports dynamo (a fresh
-    process: this one's tests may have)."""
+    batching rule for ``binary_cross_entropy_with_logits`` (every ``Bernoulli(logits=...)``),
+    nor, under ``functionalize``, for some in-place ops (``exp_``, ``clamp_``,
+    ``bitwise_and_``: simplex and ``LKJCholesky`` sites), and would run their Python
+    decompositions, whose first call imports ``torch._dynamo`` (~1.1 s of a run). The batched
+    graph writes them in ops that batch: the values (at logits of several hundred) agree
+    with Pyro's eager potential, and nothing imports dynamo (a fresh process: this one's
+    tests may have)."""
     import subprocess
     import sys
 
