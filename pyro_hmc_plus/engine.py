@@ -199,7 +199,9 @@ class GradientEngine:
         per ``n`` from ``vmap`` of the single-point graph (also in the middle of recording a
         program, be it a TorchScript recording or a compiler's fake-tensor trace),
         functionalized first: its in-place ops (the ``scatter_`` in the gradients of simplex
-        and ``LKJCholesky`` sites) have no batching rules, their out-of-place forms do.
+        and ``LKJCholesky`` sites) have no batching rules, their out-of-place forms do; and
+        the ops that ``vmap`` would still run through Python decompositions written out
+        (:func:`tracing.for_vmap`: their first call imports ``torch._dynamo``, ~1.1 s).
         ``None`` if vmap fails, in which case the points go through the single-point graph
         one by one. Recorded at copies of the initial point (where the model is known to
         evaluate), whatever the engine, so every engine inlines the same graph."""
