@@ -139,7 +139,7 @@ class GradientEngine:
                 with pyro.validation_enabled(False):
                     self._graph = tracing.trace(flat.value_and_grad, (flat.initial_z.clone(),))
             except tracing.UntraceableModel as e:
-                self._fall_back(f"{e}")
+                self._fall_back(f"{e}", e.eager_is_correct)
         if self._graph is not None:
             problem = self._check(
                 self._graph, self.eager_value_and_grad, [(z,) for z in self._gradient_points()],
@@ -433,14 +433,17 @@ class GradientEngine:
         )
         self.name = "trace"
 
-    def _fall_back(self, reason: str):
+    def _fall_back(self, reason: str, eager_is_correct: bool = True):
         if self.name != "eager":
+            if eager_is_correct:
+                advice = ("Falling back to eager autograd (correct but slow). To silence this, pass "
+                          "engine='eager'; to get the fast path, make the potential branch-free in the "
+                          "latent variables (e.g. torch.where instead of `if`, no .item()).")
+            else:
+                advice = ("Falling back to eager autograd, which runs the potential as it is: the draws "
+                          "follow the posterior only if those random numbers leave its value unchanged.")
             warnings.warn(
-                f"pyro_hmc_plus: cannot use the {self.name!r} engine for this "
-                f"{self.flat.source}: {reason}. Falling back to eager autograd (correct but "
-                "slow). To silence this, pass engine='eager'; to get the fast path, make the "
-                "potential branch-free in the latent variables (e.g. torch.where instead of "
-                "`if`, no .item()).",
+                f"pyro_hmc_plus: cannot use the {self.name!r} engine for this {self.flat.source}: {reason}. {advice}",
                 EngineFallbackWarning,
                 stacklevel=4,
             )

@@ -34,7 +34,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class UntraceableModel(RuntimeError):
-    """The function cannot be traced into a graph that is valid at other inputs."""
+    """The function cannot be traced into a graph that is valid at other inputs.
+    ``eager_is_correct=False`` where the function itself is at fault (it draws random
+    numbers), so that eager autograd is no remedy either."""
+
+    def __init__(self, message: str, eager_is_correct: bool = True):
+        super().__init__(message)
+        self.eager_is_correct = eager_is_correct
 
 
 _ESCAPES = {
@@ -158,6 +164,13 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise UntraceableModel(
+                f"the potential draws random numbers ({func.overloadpacket.__name__}), so its value changes "
+                "from call to call, and HMC needs the same value at the same point: generate data "
+                "outside the model, and put modules with dropout in eval mode",
+                eager_is_correct=False,
+            )
         if func is aten.log_sigmoid_backward.default:
             shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
             if args[0].shape != shape:

@@ -1143,3 +1143,29 @@ def test_batched_gradients_need_no_dynamo():
     out = subprocess.run([sys.executable, "-c", BATCHED_BERNOULLI_SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-1] == "False"
+
+
+_NOISE = torch.Generator().manual_seed(0)
+
+
+def _data_drawn_in_the_model():
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(mu, 1.0), obs=torch.randn(5, generator=_NOISE))
+
+
+def _dropout_in_training_mode():
+    w = pyro.sample("w", dist.Normal(torch.zeros(4), 1.0).to_event(1))
+    pyro.sample("y", dist.Normal(torch.nn.functional.dropout(w, 0.5, training=True).sum(), 1.0), obs=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("model", [_data_drawn_in_the_model, _dropout_in_training_mode])
+def test_a_potential_that_draws_random_numbers_is_named_as_such(model):
+    """A potential that draws random numbers has no one value at a point. The fallback
+    warning says so and does not call eager autograd correct (it was a ``SyntaxError`` from
+    the graph's generated code where the model passed a ``torch.Generator``, or a
+    disagreement with Pyro's potential)."""
+    with pytest.warns(EngineFallbackWarning, match="draws random numbers") as record:
+        engine = GradientEngine(from_model(model))
+    assert engine.name == "eager"
+    message = str(record[0].message)
+    assert "only if those random numbers leave its value unchanged" in message and "correct but slow" not in message
