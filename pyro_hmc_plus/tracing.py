@@ -164,7 +164,7 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if _draws_random_numbers(func):
             raise UntraceableModel(
                 f"the potential draws random numbers ({func.overloadpacket.__name__}), so its value changes "
                 "from call to call, and HMC needs the same value at the same point: generate data "
@@ -187,6 +187,16 @@ class _AtenRecorder(TorchDispatchMode):
                 if isinstance(piece, torch.Tensor):
                     self.bind(piece, self.graph.call_function(operator.getitem, (node, i)))
         return out
+
+
+def _draws_random_numbers(func) -> bool:
+    """Whether an aten op draws random numbers. torch tags its samplers (``randn``,
+    ``bernoulli``, ``normal_``, dropout) ``nondeterministic_seeded``, and also its attention
+    and RNN kernels, which draw only for their dropout and are deterministic without it
+    (those are left to the check of the traced gradient against Pyro's)."""
+    name = func.overloadpacket.__name__
+    return torch.Tag.nondeterministic_seeded in func.tags and not any(
+        kind in name for kind in ("attention", "rnn", "lstm", "gru"))
 
 
 def _record(fn, example_inputs) -> torch.fx.GraphModule:
