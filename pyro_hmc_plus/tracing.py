@@ -194,9 +194,8 @@ def _draws_random_numbers(func) -> bool:
     ``bernoulli``, ``normal_``, dropout) ``nondeterministic_seeded``, and also its attention
     and RNN kernels, which draw only for their dropout and are deterministic without it
     (those are left to the check of the traced gradient against Pyro's)."""
-    name = func.overloadpacket.__name__
     return torch.Tag.nondeterministic_seeded in func.tags and not any(
-        kind in name for kind in ("attention", "rnn", "lstm", "gru"))
+        kind in func.overloadpacket.__name__ for kind in ("attention", "rnn", "lstm", "gru"))
 
 
 def _record(fn, example_inputs) -> torch.fx.GraphModule:
@@ -307,24 +306,11 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
 def _out_of_place(node) -> Optional[torch._ops.OpOverload]:
     """The out-of-place form of an in-place aten op that writes only its first argument
     (``exp_.default`` -> ``exp.default``), or ``None``."""
-    target = node.target
-    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+    written = _written_inputs(node)
+    if not written or written != {node.args[0]} or not node.target.overloadpacket.__name__.endswith("_"):
         return None
-    args = target._schema.arguments
-    written = [a for a in args if a.alias_info is not None and a.alias_info.is_write]
-    name = target.overloadpacket.__name__
-    if not name.endswith("_") or len(written) != 1 or written[0] is not args[0]:
-        return None
-    packet = getattr(torch.ops.aten, name[:-1], None)
-    return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-def _makes_new_tensor(node) -> bool:
-    """Whether ``node`` is an aten op whose result is a tensor of its own (not a view of an
-    input or of a constant)."""
-    target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and all(r.alias_info is None for r in target._schema.returns))
+    packet = getattr(torch.ops.aten, node.target.overloadpacket.__name__[:-1], None)
+    return getattr(packet, node.target._overloadname, None) if packet is not None else None
 
 
 def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
@@ -372,8 +358,8 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
         else:
             out_of_place = _out_of_place(node)
             written = node.args[0] if out_of_place is not None else None
-            if written is None or not _makes_new_tensor(written) or not all(
-                user is node or (order[user] < order[node] and _makes_new_tensor(user)) for user in written.users
+            if written is None or written.op != "call_function" or _returns_view(written) or not all(
+                user is node or (order[user] < order[node] and not _returns_view(user)) for user in written.users
             ):
                 continue  # something may read the tensor after the write, or through a view of it
             result = out_of_place(*torch.fx.node.map_arg(node.args, values.get), **node.kwargs)
