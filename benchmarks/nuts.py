@@ -28,6 +28,11 @@ fresh processes. Reported, median over ``--reps``:
     python benchmarks/nuts.py --reps 3
     python benchmarks/nuts.py --models eight_schools --contenders pyro ours --reps 5
 
+``--device cuda`` puts the model's data on the GPU and makes it torch's default device (as a
+Pyro user moves a model there), for Pyro's kernels and ours alike; NumPyro runs on JAX's
+default device (the GPU where its CUDA plugin is installed). The 2-D Gaussian, whose
+precision matrix is a CPU constant of ``pyro_hmc_plus.models``, stays on the CPU.
+
 ``numpyro`` (NumPyro's NUTS on the same models and data, written in NumPyro; install it with
 ``pip install -e ".[bench]"``) is a reference column: like Pyro, its framework is imported
 before the clock starts; its wall time includes JAX's compilation. Its JAX runs on one
@@ -154,7 +159,7 @@ def run_numpyro(model_name: str, args, warmup: int, samples: int, seed: int) -> 
     from numpyro.infer import MCMC, NUTS
 
     model = numpyro_model(model_name)
-    np_args = tuple(np.asarray(a.numpy()) for a in args)
+    np_args = tuple(np.asarray(a.cpu().numpy()) for a in args)
     start = time.perf_counter()
     mcmc = MCMC(NUTS(model), num_warmup=warmup, num_samples=samples, progress_bar=False)
     mcmc.warmup(jax.random.PRNGKey(seed), *np_args, extra_fields=("num_steps",), collect_warmup=True)
@@ -173,13 +178,13 @@ def min_bulk_ess(samples: dict) -> float:
 
     worst = float("inf")
     for v in samples.values():
-        draws = v.reshape(v.shape[0], -1).numpy().astype(np.float64)
+        draws = v.reshape(v.shape[0], -1).cpu().numpy().astype(np.float64)
         for j in range(draws.shape[1]):
             worst = min(worst, float(az.ess(draws[None, :, j], method="bulk")))
     return worst
 
 
-def run_one(model_name: str, contender: str, warmup: int, samples: int, seed: int) -> dict:
+def run_one(model_name: str, contender: str, warmup: int, samples: int, seed: int, device: str) -> dict:
     """Runs in the child process."""
     import pyro
     import torch
@@ -189,6 +194,9 @@ def run_one(model_name: str, contender: str, warmup: int, samples: int, seed: in
     model, args, calls = make_problem(model_name)
     if contender == "numpyro":
         return run_numpyro(model_name, args, warmup, samples, seed)
+    if device != "cpu" and model_name != "gauss2d":
+        torch.set_default_device(device)
+        args = tuple(a.to(device) for a in args)
 
     def once(seed):
         pyro.set_rng_seed(seed)
@@ -226,16 +234,17 @@ def main():
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--first-seed", type=int, default=0, help="seed of the first repetition")
     parser.add_argument("--warm", action="store_true", help="one untimed run per contender first (fills on-disk caches)")
+    parser.add_argument("--device", default="cpu", help="torch device of the models' data (e.g. cuda)")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         model_name, contender, seed = args.child
-        print(json.dumps(run_one(model_name, contender, args.warmup, args.samples, int(seed))))
+        print(json.dumps(run_one(model_name, contender, args.warmup, args.samples, int(seed), args.device)))
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_FLAGS": SINGLE_THREAD_XLA}
     print(
         f"NUTS, 1 chain, {args.warmup} warmup + {args.samples} draws, "
-        f"{'warm' if args.warm else 'cold'} start, median of {args.reps} fresh processes"
+        f"{'warm' if args.warm else 'cold'} start, median of {args.reps} fresh processes, device {args.device}"
     )
     print(f"{'model':<14} {'contender':<14} {'wall s':>8} {'min ESS':>8} {'ESS/s':>8} {'ESS/grad':>9} {'ESS/s vs Pyro':>14} "
           f"{'ESS/grad mean':>19}")
@@ -244,7 +253,7 @@ def main():
         for rep in range(-1 if args.warm else 0, args.reps):  # every contender sees the same seeds
             for contender in args.contenders:
                 cmd = [sys.executable, __file__, "--child", model_name, contender, str((args.first_seed + rep) % 1000),
-                       "--warmup", str(args.warmup), "--samples", str(args.samples)]
+                       "--warmup", str(args.warmup), "--samples", str(args.samples), "--device", args.device]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
                     print(f"{model_name} {contender} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
