@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import pyro
 import torch
-from pyro.infer.autoguide.initialization import InitMessenger, init_to_value
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
 from .potential import model_trace
@@ -78,8 +78,19 @@ def _starting_at(model, draw: Dict[str, torch.Tensor]):
     """``model`` with its latent sites set to ``draw`` (one posterior draw, constrained)
     wherever nothing else sets them: the runs that ArviZ's export makes for the shapes of the
     sites (here, and Pyro's ``Predictive`` before it conditions on the draws) then work for
-    priors that cannot be sampled (``ImproperUniform``). Observed sites stay observed."""
-    return InitMessenger(init_to_value(values=draw))(model)
+    priors that cannot be sampled (``ImproperUniform``). Observed sites stay observed; a
+    discrete site summed out by enumeration (never in the draws) takes a prior draw."""
+    return InitMessenger(init_to_value(values=draw, fallback=_prior_draw_if_discrete))(model)
+
+
+def _prior_draw_if_discrete(site):
+    return init_to_sample(site) if site["fn"].has_enumerate_support else init_to_uniform(site)
+
+
+def _is_marginalised(site) -> bool:
+    """A discrete latent site: the kernels sum it out by enumeration rather than sample it."""
+    return (site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+            and site["fn"].has_enumerate_support)
 
 
 def plate_dims(trace) -> Dict[str, List[str]]:
@@ -126,6 +137,8 @@ def to_inference_data(
     :param bool log_likelihood: pointwise log likelihood of every observed site (for
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
         ``pyro.infer.Predictive`` (draw by draw where the model does not broadcast over them).
+        Left out, with a warning, for a model with discrete sites summed out by enumeration
+        (their values are not in the draws), as are the ``pyro.deterministic`` sites.
     :param dict constant_data: extra data to store (``{name: array}``).
     :param bool deterministic: export the ``pyro.deterministic`` sites (below).
 
@@ -155,7 +168,17 @@ def to_inference_data(
         }
         shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items()
                   if deterministic and _is_deterministic(site)}
-        if (log_likelihood and observed) or shapes:
+        marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
+        if marginalised and ((log_likelihood and observed) or shapes):
+            warnings.warn(
+                f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled: a "
+                "replay of the model at the draws would draw them from their prior, so the log_likelihood "
+                "group and the values of pyro.deterministic sites are left out (log_likelihood=False, "
+                "deterministic=False export without this warning)",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif (log_likelihood and observed) or shapes:
             loglik, computed = _replay(model, args, kwargs, mcmc.get_samples(), trace,
                                        observed if log_likelihood else {}, shapes, num_chains, num_draws)
     all_dims.update(dims or {})

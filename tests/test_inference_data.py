@@ -294,3 +294,35 @@ def test_kernels_without_statistics_get_a_clear_error():
     mcmc.run(torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="no per-draw sample statistics"):
         to_inference_data(mcmc)
+
+
+def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed():
+    """A mixture whose component labels are summed out by enumeration: the labels are in no
+    draw, so the export's run of the model gives them a prior draw (it used to stop at
+    Pyro's "Continuous inference cannot handle discrete sample site", and with it the run's
+    own check), and the log likelihood, which a replay would compute at prior labels, is
+    left out with a warning that says why."""
+    data = torch.tensor([-2.3, -1.8, -2.1, -1.6, 2.2, 1.7, 2.4, 1.9])
+
+    def mixture(data):
+        weights = pyro.sample("weights", dist.Dirichlet(torch.ones(2)))
+        locs = pyro.sample("locs", dist.Normal(torch.tensor([-1.0, 1.0]), 5.0).to_event(1))
+        with pyro.plate("data", len(data)):
+            label = pyro.sample("label", dist.Categorical(weights), infer={"enumerate": "parallel"})
+            pyro.sample("obs", dist.Normal(locs[label], 1.0), obs=data)
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(mixture, max_plate_nesting=1), num_samples=100, warmup_steps=100, num_chains=2,
+                disable_progbar=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mcmc.run(data)
+    assert not [w for w in caught if "checking its draws failed" in str(w.message)]
+    with pytest.warns(UserWarning, match=r"discrete sites \['label'\] are summed out by enumeration"):
+        idata = to_inference_data(mcmc)
+    assert idata.posterior["locs"].shape == (2, 100, 2) and "label" not in idata.posterior
+    assert not hasattr(idata, "log_likelihood") and idata.observed_data["obs"].shape == (8,)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        to_inference_data(mcmc, log_likelihood=False)
+    assert diagnose(mcmc).num_draws == 100
