@@ -22,6 +22,7 @@ import functools
 import heapq
 import math
 import operator
+import sys
 import warnings
 from typing import Dict, List, NamedTuple, Optional
 
@@ -313,11 +314,38 @@ def _out_of_place(node) -> Optional[torch._ops.OpOverload]:
     return getattr(packet, node.target._overloadname, None) if packet is not None else None
 
 
+def _slices_to_the_end(node) -> bool:
+    """A ``slice`` whose end is "to the end" (``x[a::k]``, recorded as ``sys.maxsize``)."""
+    return node.target is torch.ops.aten.slice.Tensor and len(node.args) > 3 and node.args[3] == sys.maxsize
+
+
+def _strided_as_slice(node, values) -> Optional[tuple]:
+    """``as_strided(x, size, stride, offset)`` as ``(start, stop, step)`` of a slice of
+    ``x.view(-1)`` (to be viewed as ``size``), where ``x`` (its value in ``values``) is
+    contiguous from the start of its storage and the strides are one step's multiples: a
+    strided run (``[n], [k]``: a matrix's diagonal) or a contiguous block. ``None`` for other
+    ``as_strided`` calls and other nodes."""
+    if node.target is not torch.ops.aten.as_strided.default:
+        return None
+    x, size, stride, offset = (list(node.args) + [None])[:4]
+    x = values[x]
+    offset = x.storage_offset() if offset is None else offset
+    if not x.is_contiguous() or x.storage_offset() != 0 or 0 in size:
+        return None
+    if len(size) == 1 and stride[0] > 0:
+        start, stop, step = offset, offset + (size[0] - 1) * stride[0] + 1, stride[0]
+    elif list(stride) == list(torch.empty(size).stride()):
+        start, stop, step = offset, offset + math.prod(size), 1
+    else:
+        return None
+    return (start, stop, step) if stop <= x.numel() else None
+
+
 def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
-    """``gm``, or a copy of it with ops that ``vmap`` would run through their Python
-    decompositions written in ops it batches directly. The first call of such a
-    decomposition imports ``torch._dynamo``: ~1.1 s, a sixth of a 4-chain logistic
-    regression's run. The same values; ``example`` is an input of ``gm``.
+    """``gm``, or a copy of it with ops that ``vmap`` of its ``functionalize``-d form would run
+    through their Python decompositions, or fail on, written in ops it batches directly.
+    The first call of such a decomposition imports ``torch._dynamo``: ~1.1 s, a sixth of a
+    4-chain logistic regression's run. The same values; ``example`` is an input of ``gm``.
 
     - ``binary_cross_entropy_with_logits(x, y)`` (Pyro's ``Bernoulli(logits=x)``: every
       logistic regression) as ``(1 - y) * x - log_sigmoid(x)``;
@@ -326,10 +354,23 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
       decomposes, as their out-of-place forms, where nothing reads the tensor they write
       after the write (a tensor of its own, whose other uses come before and are not
       views of it) and the out-of-place result has the same dtype and shape (checked on
-      ``example``'s values)."""
+      ``example``'s values);
+    - a slice to the end of a dimension with its end as the dimension's size (from
+      ``example``'s values): written into in place (``K.view(-1)[::n + 1] += jitter``, the
+      diagonal of a covariance matrix in Pyro's Gaussian processes), ``sys.maxsize``
+      overflows in the functionalized batched op ("invalid size, possible overflow?");
+    - ``as_strided`` views that are slices of a contiguous tensor (that write's gradient:
+      autograd reads and writes the diagonal through ``as_strided``), as ``view`` and
+      ``slice``: written into, ``functionalize`` makes ``as_strided_scatter`` of them, which
+      ``vmap`` refuses, where it makes a ``slice_scatter`` of a slice;
+    - ``copy_`` (into a fresh buffer, or through such a slice), which ``functionalize``
+      makes an out-of-place ``copy`` that ``vmap`` runs chain by chain (and says so on
+      stderr, "no batching rule for aten::copy"): the graph is functionalized here, and each
+      ``copy`` of a value of the same shape and dtype is that value."""
     aten = torch.ops.aten
     bce = aten.binary_cross_entropy_with_logits.default
-    if not any(n.target is bce or _out_of_place(n) is not None for n in gm.graph.nodes):
+    if not any(n.target in (bce, aten.as_strided.default, aten.copy_.default) or _out_of_place(n) is not None
+               or _slices_to_the_end(n) for n in gm.graph.nodes):
         return gm
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
@@ -344,7 +385,22 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
         return new
 
     for node in list(graph.nodes):
-        if node.target is bce:
+        if _slices_to_the_end(node):
+            dim = node.args[1]
+            node.args = node.args[:3] + (values[node.args[0]].shape[dim],) + node.args[4:]
+            continue
+        strided_slice = _strided_as_slice(node, values)
+        if node.target is aten.as_strided.default:
+            if strided_slice is None:
+                continue
+            x, size = node.args[:2]
+            with graph.inserting_before(node):
+                flat = new_op(node, aten.view.default, x, [-1])
+                piece = new_op(node, aten.slice.Tensor, flat, 0, *strided_slice)
+                replacement = new_op(node, aten.view.default, piece, list(size))
+            values[flat] = values[x].view(-1)
+            values[piece] = values[flat][slice(*strided_slice)]
+        elif node.target is bce:
             schema = bce._schema
             args = {a.name: a.default_value for a in schema.arguments}
             args.update(zip((a.name for a in schema.arguments), node.args))
@@ -372,7 +428,36 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
         graph.erase_node(node)
     graph.lint()
     gm.recompile()
+    if any(n.target is aten.copy_.default for n in graph.nodes):
+        gm = _functional_without_copies(gm, example)
     return gm
+
+
+def _functional_without_copies(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
+    """``gm`` functionalized (writes as out-of-place ops and scatters), with every
+    out-of-place ``copy(dst, src)`` of ``src`` 's shape and dtype replaced by a contiguous
+    clone of ``src``: the same values, in a layout that every ``view`` after it accepts. (Only
+    ``as_strided`` reads a layout; where the graph still has one, only copies into contiguous
+    tensors are replaced.)"""
+    functional = make_fx(torch.func.functionalize(gm))(example)
+    graph = functional.graph
+    layout_read = any(n.target is torch.ops.aten.as_strided.default for n in graph.nodes)
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.copy.default:
+            continue
+        src, out = node.args[1], node.meta.get("val")
+        if isinstance(src, torch.fx.Node) and out is not None and "val" in src.meta and (
+                not layout_read or out.is_contiguous()) and (
+                (src.meta["val"].shape, src.meta["val"].dtype) == (out.shape, out.dtype)):
+            with graph.inserting_before(node):
+                clone = graph.call_function(torch.ops.aten.clone.default, (src,),
+                                            {"memory_format": torch.contiguous_format})
+            clone.meta["val"] = out
+            node.replace_all_uses_with(clone)
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    functional.recompile()
+    return functional
 
 
 def elements_touched(gm: torch.fx.GraphModule) -> int:
