@@ -301,6 +301,13 @@ class GradientEngine:
             self._fall_back(f"{e}")
             return self._eager(fn)
         if traced is None:  # the model fails numerically at every example: run it eagerly
+            warnings.warn(
+                "pyro_hmc_plus: the model failed numerically (e.g. a Cholesky factorisation) at every point "
+                "where a sampler program was to be recorded; that program runs on eager autograd "
+                "(correct, several times slower)",
+                EngineFallbackWarning,
+                stacklevel=4,
+            )
             return self._eager(fn)
         problem = None
         for program in (_compile.static_runtime(traced, examples), traced):  # the faster executor first

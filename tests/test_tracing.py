@@ -872,6 +872,21 @@ def test_the_batched_gradient_of_a_write_into_a_diagonal_has_batching_rules():
     assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
+def test_vectorized_chains_of_a_gaussian_process_run_their_recorded_programs():
+    """4 chains' full-length trajectories from their first states took the Gaussian
+    process's Cholesky beyond its support at every point where the round program was to be
+    recorded, and the whole run silently went op by op on eager autograd (57 s against the
+    sequential chains' 6 s). The program is now also recorded at the chains' states with
+    tiny steps; and a program that cannot be recorded anywhere says so."""
+    pyro.set_rng_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        mcmc = pyro_hmc_plus.MCMC(NUTS(_gaussian_process()), num_samples=20, warmup_steps=20, num_chains=4,
+                                  disable_progbar=True, warn_on_problems=False)
+        mcmc.run()
+    assert mcmc.get_samples(group_by_chain=True)["noise"].shape == (4, 20)
+
+
 def _plate_regression(x, y):
     def model():
         mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
