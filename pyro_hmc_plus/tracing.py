@@ -322,19 +322,23 @@ def _slices_to_the_end(node) -> bool:
 def _strided_as_slice(node, values) -> Optional[tuple]:
     """``as_strided(x, size, stride, offset)`` as ``(start, stop, step)`` of a slice of
     ``x.view(-1)`` (to be viewed as ``size``), where ``x`` (its value in ``values``) is
-    contiguous from the start of its storage and the strides are one step's multiples: a
-    strided run (``[n], [k]``: a matrix's diagonal) or a contiguous block. ``None`` for other
+    contiguous from the start of its storage and the dimensions of more than one element
+    (a dimension of one has no stride that matters) are a strided run (``[n], [k]``: a
+    matrix's diagonal; ``[1, n], [*, k]``) or a contiguous block. ``None`` for other
     ``as_strided`` calls and other nodes."""
     if node.target is not torch.ops.aten.as_strided.default:
         return None
     x, size, stride, offset = (list(node.args) + [None])[:4]
     x = values[x]
     offset = x.storage_offset() if offset is None else offset
-    if not x.is_contiguous() or x.storage_offset() != 0 or 0 in size:
+    dims = [(n, k) for n, k in zip(size, stride) if n != 1]
+    if not x.is_contiguous() or x.storage_offset() != 0 or any(n == 0 for n, _ in dims):
         return None
-    if len(size) == 1 and stride[0] > 0:
-        start, stop, step = offset, offset + (size[0] - 1) * stride[0] + 1, stride[0]
-    elif list(stride) == list(torch.empty(size).stride()):
+    contiguous = [math.prod(n for n, _ in dims[i + 1:]) for i in range(len(dims))]
+    if len(dims) == 1 and dims[0][1] > 0:
+        (n, k), = dims
+        start, stop, step = offset, offset + (n - 1) * k + 1, k
+    elif [k for _, k in dims] == contiguous:
         start, stop, step = offset, offset + math.prod(size), 1
     else:
         return None

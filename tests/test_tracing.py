@@ -837,28 +837,34 @@ def test_the_batched_gradient_of_in_place_scatters_has_batching_rules():
     assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
-def _gaussian_process():
-    """Pyro's ``GPRegression`` with priors on its hyperparameters, as in Pyro's GP tutorial:
-    it adds the noise to the covariance's diagonal in place (``Kff.view(-1)[::N + 1] +=``)."""
+def _gaussian_process(sparse=False):
+    """Pyro's ``GPRegression`` (or ``SparseGPRegression`` with 4 inducing points) with priors
+    on its hyperparameters, as in Pyro's GP tutorial: it adds the noise to the covariance's
+    diagonal in place (``Kff.view(-1)[::N + 1] +=``)."""
     import pyro.contrib.gp as gp
 
     x = torch.linspace(0.0, 5.0, 12)
     kernel = gp.kernels.RBF(input_dim=1)
     kernel.variance = pyro.nn.PyroSample(dist.LogNormal(0.0, 1.0))
     kernel.lengthscale = pyro.nn.PyroSample(dist.LogNormal(0.0, 1.0))
-    regression = gp.models.GPRegression(x, torch.sin(x), kernel)
+    if sparse:
+        regression = gp.models.SparseGPRegression(x, torch.sin(x), kernel, Xu=torch.linspace(0.0, 5.0, 4))
+    else:
+        regression = gp.models.GPRegression(x, torch.sin(x), kernel)
     regression.noise = pyro.nn.PyroSample(dist.LogNormal(-2.0, 1.0))
     return regression.model
 
 
-def test_the_batched_gradient_of_a_write_into_a_diagonal_has_batching_rules():
+@pytest.mark.parametrize("sparse", [False, True], ids=["GPRegression", "SparseGPRegression"])
+def test_the_batched_gradient_of_a_write_into_a_diagonal_has_batching_rules(sparse):
     """A write into a strided slice (a Gaussian process's jitter on the covariance diagonal):
-    its gradient reads and writes the diagonal through ``as_strided`` and ``copy_``. Under
-    ``functionalize``, ``vmap`` failed on the slice "to the end" ("invalid size, possible
-    overflow?") and had no rule for ``as_strided_scatter`` or ``copy``: the chains' gradients
-    went through the one-point graph one by one. Checked with ``vmap`` 's per-point
-    fallback switched off, against Pyro's gradient, point by point."""
-    flat = from_model(_gaussian_process())
+    its gradient reads and writes the diagonal through ``as_strided`` (``[n], [n + 1]``, or
+    ``[1, n], [n * n, n + 1]`` in the sparse one) and ``copy_``. Under ``functionalize``,
+    ``vmap`` failed on the slice "to the end" ("invalid size, possible overflow?") and had no
+    rule for ``as_strided_scatter`` or ``copy``: the chains' gradients went through the
+    one-point graph one by one. Checked with ``vmap`` 's per-point fallback switched off,
+    against Pyro's gradient, point by point."""
+    flat = from_model(_gaussian_process(sparse))
     engine = GradientEngine(flat)
     fallback = torch._C._functorch._is_vmap_fallback_enabled()
     torch._C._functorch._set_vmap_fallback_enabled(False)
