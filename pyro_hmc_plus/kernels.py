@@ -563,14 +563,22 @@ class HMC(MCMCKernel):
 
     def _validation_inputs(self):
         """The current point and fresh random points near it, drawn from a private generator
-        so validation never shifts the user's random stream."""
+        so validation never shifts the user's random stream. Where the model fails
+        numerically at a random point (a Cholesky beyond its support), the current point
+        again: that failure, raised while a program is being built inside a trajectory, was
+        taken for the trajectory's divergence, at every transition that needed the program."""
         gen = torch.Generator(device=self._state.z.device).manual_seed(0)
         z = self._state.z
-        points = [z] + [
-            z + torch.empty(z.shape, dtype=z.dtype, device=z.device).uniform_(-2, 2, generator=gen)
-            for _ in range(_VALIDATION_POINTS)
-        ]
-        return [self._block_inputs(p, gen) for p in points]
+        inputs = [self._block_inputs(z, gen)]
+        for _ in range(_VALIDATION_POINTS):
+            point = z + torch.empty(z.shape, dtype=z.dtype, device=z.device).uniform_(-2, 2, generator=gen)
+            try:
+                inputs.append(self._block_inputs(point, gen))
+            except (RuntimeError, ValueError) as e:
+                if not is_numerical_failure(e):
+                    raise
+                inputs.append(self._block_inputs(z, gen))
+        return inputs
 
     # ------------------------------------------------------------------ many chains at once
     # (pyro_hmc_plus.MCMC's vectorized runs: every chain advances one round per call, for HMC

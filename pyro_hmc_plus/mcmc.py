@@ -398,20 +398,27 @@ class _VectorizedRun:
                     k._chains_next_kind(chains, schedule))
 
         def validation():
-            """The chains' states, two random points near them, and last the states again with
-            steps a thousandth as long: a program is recorded at the first of these where every
-            chain's model evaluates, and a Gaussian process's Cholesky fails somewhere along
-            4 chains' full-length trajectories more often than not."""
+            """The chains' states, two random points near them (a chain's own state where its
+            model fails at its random point), and last the states again with steps a
+            thousandth as long: a program is recorded at the first of these where every
+            chain's model evaluates along its trajectory, and a Gaussian process's Cholesky
+            fails somewhere along 4 chains' full-length trajectories more often than not."""
             gen = torch.Generator(device=self.metric.inverse_mass.device).manual_seed(0)
-            z0 = self.chains.position.z
+            here = self.chains.position
             out = []
             for i in range(4):
-                z = z0 if i in (0, 3) else z0 + torch.empty_like(z0).uniform_(-2, 2, generator=gen)
-                U, g = k._engine.eager_value_and_grad(z)
+                state = here
+                if i in (1, 2):
+                    z = here.z + torch.empty_like(here.z).uniform_(-2, 2, generator=gen)
+                    U, g = self._safe_value_and_grad(z)
+                    ok = torch.isfinite(U)
+                    state = HMCState(torch.where(ok[:, None], z, here.z), torch.where(ok, U, here.potential_energy),
+                                     torch.where(ok[:, None], g, here.grad))
                 step = self.chains.step_size
                 if i == 3:
                     step = step._replace(value=step.value * 1e-3)
-                chains = k._chains_init(HMCState(z, U, g), self.metric, step)
+                chains = k._chains_init(state, self.metric, step)
+                z = state.z
                 noise = torch.randn((T,) + z.shape, generator=gen, dtype=z.dtype, device=z.device)
                 uniforms = torch.rand((T, self.C, k._chains_uniforms), generator=gen, dtype=z.dtype, device=z.device)
                 out.append((chains, noise, uniforms, self.metric, self.schedule))
