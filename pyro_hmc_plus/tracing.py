@@ -438,12 +438,13 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
 
 
 def _functional_without_copies(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
-    """``gm`` functionalized (writes as out-of-place ops and scatters), with every
+    """``gm`` functionalized (writes as out-of-place ops and scatters; recorded by
+    :func:`_record`, not ``make_fx``, whose first use imports ``torch._dynamo``), with every
     out-of-place ``copy(dst, src)`` of ``src`` 's shape and dtype replaced by a contiguous
     clone of ``src``: the same values, in a layout that every ``view`` after it accepts. (Only
     ``as_strided`` reads a layout; where the graph still has one, only copies into contiguous
     tensors are replaced.)"""
-    functional = make_fx(torch.func.functionalize(gm))(example)
+    functional = _record(torch.func.functionalize(gm), (example,))
     graph = functional.graph
     layout_read = any(n.target is torch.ops.aten.as_strided.default for n in graph.nodes)
     for node in list(graph.nodes):

@@ -1171,10 +1171,16 @@ def logistic(x, y):
 def correlated_simplex():
     pyro.sample("w", dist.Dirichlet(torch.ones(4)))
     pyro.sample("corr", dist.LKJCholesky(3, 2.0))
-for model, args in ((logistic, (x, y)), (correlated_simplex, ())):
+import pyro.contrib.gp as gp
+t = torch.linspace(0.0, 5.0, 12)
+kernel = gp.kernels.RBF(input_dim=1)
+kernel.lengthscale = pyro.nn.PyroSample(dist.LogNormal(0.0, 1.0))
+regression = gp.models.GPRegression(t, torch.sin(t), kernel)
+regression.noise = pyro.nn.PyroSample(dist.LogNormal(-2.0, 1.0))
+for model, args, spread in ((logistic, (x, y), 3), (correlated_simplex, (), 3), (regression.model, (), 0.5)):
     flat = from_model(model, args)
     engine = GradientEngine(flat, "trace")
-    z = flat.initial_z + torch.randn(4, flat.dim, generator=g) * 3
+    z = flat.initial_z + torch.randn(4, flat.dim, generator=g) * spread
     U, grad = engine.value_and_grad(z)
     assert engine._batched_graphs[4] is not None
     for i in range(4):
@@ -1192,7 +1198,8 @@ def test_batched_gradients_need_no_dynamo():
     decompositions, whose first call imports ``torch._dynamo`` (~1.1 s of a run). The batched
     graph writes them in ops that batch: the values (at logits of several hundred) agree
     with Pyro's eager potential, and nothing imports dynamo (a fresh process: this one's
-    tests may have)."""
+    tests may have). A Gaussian process's graph is functionalized by the package's own
+    recorder before ``vmap`` (``make_fx`` imports ``torch._inductor`` and with it dynamo)."""
     import subprocess
     import sys
 
