@@ -328,7 +328,7 @@ def _strided_as_slice(node, values) -> Optional[tuple]:
     ``as_strided`` calls and other nodes."""
     if node.target is not torch.ops.aten.as_strided.default:
         return None
-    x, size, stride, offset = (list(node.args) + [None])[:4]
+    x, size, stride, offset = (list(node.args) + [node.kwargs.get("storage_offset")])[:4]
     x = values[x]
     offset = x.storage_offset() if offset is None else offset
     dims = [(n, k) for n, k in zip(size, stride) if n != 1]

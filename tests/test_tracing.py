@@ -878,6 +878,28 @@ def test_the_batched_gradient_of_a_write_into_a_diagonal_has_batching_rules(spar
     assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
+def test_as_strided_views_rewritten_as_slices_keep_their_values():
+    """``for_vmap`` writes an ``as_strided`` view of a contiguous tensor as ``view`` +
+    ``slice`` where it is one: a strided run (also with its offset as a keyword, and with
+    dimensions of one element) or a contiguous block; other layouts stay ``as_strided``."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    views = [
+        graph.call_function(aten.as_strided.default, (x, [3], [4]), {"storage_offset": 1}),  # a column
+        graph.call_function(aten.as_strided.default, (x, [1, 4], [16, 5])),  # the diagonal as a row
+        graph.call_function(aten.as_strided.default, (x, [2, 4], [4, 1], 8)),  # the last two rows
+        graph.call_function(aten.as_strided.default, (x, [2, 2], [4, 1], 5)),  # a 2 x 2 block: kept
+    ]
+    graph.output(tuple(views))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    example = torch.arange(16.0).reshape(4, 4)
+    rewritten = tracing.for_vmap(gm, example)
+    assert sum(n.target is aten.as_strided.default for n in rewritten.graph.nodes) == 1
+    for expected, actual in zip(gm(example), rewritten(example)):
+        assert torch.equal(expected, actual)
+
+
 def test_vectorized_chains_of_a_gaussian_process_run_their_recorded_programs():
     """4 chains' full-length trajectories from their first states took the Gaussian
     process's Cholesky beyond its support at every point where the round program was to be
