@@ -110,6 +110,13 @@ class MCMC(pyro.infer.MCMC):
             raise ValueError(f"num_chains must be a positive integer, got {num_chains!r}")
         if leaves_per_call < 1:
             raise ValueError("leaves_per_call must be at least 1")
+        unbatched = [k for k, v in (initial_params or {}).items() if torch.as_tensor(v).dim() == 0]
+        if num_chains > 1 and unbatched:  # Pyro's own check of the chain dimension fails with an IndexError
+            raise ValueError(
+                f"initial_params {unbatched} have no chain dimension: with num_chains={num_chains}, give every "
+                f"site's unconstrained value a leading dimension of {num_chains}, one value per chain "
+                f"(e.g. value.expand({num_chains}, *value.shape))"
+            )
         self.chain_method = chain_method
         self.leaves_per_call = int(leaves_per_call)
         self.batch_utilisation = self.step_size = self.inverse_mass_matrix = self.warmup_samples = None

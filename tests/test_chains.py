@@ -493,6 +493,9 @@ def test_invalid_arguments():
         MCMC(pyro.infer.NUTS(gauss2d), 10, chain_method="vectorized")
     with pytest.raises(ValueError, match="leading dimension"):
         MCMC(NUTS(gauss2d), 10, num_chains=3, initial_params={"q": torch.zeros(2, 2)})
+    for chain_method in ("vectorized", "sequential"):  # was an IndexError from Pyro's check
+        with pytest.raises(ValueError, match=r"\['q'\] have no chain dimension: with num_chains=3"):
+            MCMC(NUTS(gauss2d), 10, num_chains=3, initial_params={"q": torch.tensor(0.0)}, chain_method=chain_method)
     with pytest.raises(ValueError, match="not finite"):
         run(NUTS(gauss2d), num_chains=2, initial_params={"q": torch.tensor([[0.0, 0.0], [float("nan"), 0.0]])})
     with pytest.raises(ValueError, match="expected"):
