@@ -50,6 +50,19 @@ def _exact(y):
     return y.sum().item() / precision, 1.0 / precision
 
 
+def _kernel(kernel_class):
+    """NUTS, or HMC with a trajectory of the posterior's scale (~0.16) a few times over."""
+    return kernel_class(_normal_mean) if kernel_class is NUTS else kernel_class(_normal_mean, trajectory_length=1.0)
+
+
+def _run_traced(mcmc, *args):
+    """``mcmc.run(*args)`` with a fallback to eager autograd as an error: the GPU path traces."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        mcmc.run(*args)
+    return mcmc
+
+
 def _check(samples, y):
     mean, var = _exact(y)
     assert_mean(samples.cpu().numpy(), mean)
@@ -59,11 +72,8 @@ def _check(samples, y):
 @pytest.mark.parametrize("kernel_class", [HMC, NUTS])
 def test_model_with_data_on_the_gpu(kernel_class):
     y = _data()
-    kernel = kernel_class(_normal_mean) if kernel_class is NUTS else kernel_class(_normal_mean, trajectory_length=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", EngineFallbackWarning)
-        mcmc = pyro.infer.MCMC(kernel, num_samples=800, warmup_steps=300, disable_progbar=True)
-        mcmc.run(y)
+    kernel = _kernel(kernel_class)
+    mcmc = _run_traced(pyro.infer.MCMC(kernel, num_samples=800, warmup_steps=300, disable_progbar=True), y)
     assert kernel._engine.name == "trace"
     mu = mcmc.get_samples()["mu"]
     assert mu.device.type == "cuda"
@@ -73,22 +83,16 @@ def test_model_with_data_on_the_gpu(kernel_class):
 def test_data_on_the_gpu_latents_on_the_cpu():
     y = _data()
     kernel = NUTS(_normal_mean_float_prior)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", EngineFallbackWarning)
-        mcmc = pyro.infer.MCMC(kernel, num_samples=800, warmup_steps=300, disable_progbar=True)
-        mcmc.run(y)
+    mcmc = _run_traced(pyro.infer.MCMC(kernel, num_samples=800, warmup_steps=300, disable_progbar=True), y)
     _check(mcmc.get_samples()["mu"], y)
 
 
 @pytest.mark.parametrize("kernel_class", [HMC, NUTS])
 def test_vectorized_chains_on_the_gpu(kernel_class):
     y = _data()
-    kernel = kernel_class(_normal_mean) if kernel_class is NUTS else kernel_class(_normal_mean, trajectory_length=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", EngineFallbackWarning)
-        mcmc = pyro_hmc_plus.MCMC(kernel, num_samples=600, warmup_steps=300, num_chains=4,
-                                  chain_method="vectorized", disable_progbar=True)
-        mcmc.run(y)
+    kernel = _kernel(kernel_class)
+    mcmc = _run_traced(pyro_hmc_plus.MCMC(kernel, num_samples=600, warmup_steps=300, num_chains=4,
+                                          chain_method="vectorized", disable_progbar=True), y)
     mu = mcmc.get_samples(group_by_chain=True)["mu"]
     assert mu.shape == (4, 600) and mu.device.type == "cuda"
     for chain in mu:
@@ -111,11 +115,8 @@ def test_default_device_cuda_correlated_gaussian():
 
     torch.set_default_device("cuda")
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", EngineFallbackWarning)
-            mcmc = pyro_hmc_plus.MCMC(NUTS(model), num_samples=1000, warmup_steps=400, num_chains=2,
-                                      chain_method="sequential", disable_progbar=True, warn_on_problems=False)
-            mcmc.run()
+        mcmc = _run_traced(pyro_hmc_plus.MCMC(NUTS(model), num_samples=1000, warmup_steps=400, num_chains=2,
+                                              chain_method="sequential", disable_progbar=True, warn_on_problems=False))
     finally:
         torch.set_default_device(None)
     q = mcmc.get_samples()["q"]
@@ -134,11 +135,8 @@ def test_potential_fn_float64_on_the_gpu():
         return 0.5 * (mu / PRIOR_SCALE) ** 2 + 0.5 * ((y - mu) ** 2).sum()
 
     kernel = NUTS(potential_fn=potential_fn)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", EngineFallbackWarning)
-        mcmc = pyro.infer.MCMC(kernel, num_samples=800, warmup_steps=300, disable_progbar=True,
-                               initial_params={"mu": torch.zeros((), dtype=torch.float64, device="cuda")})
-        mcmc.run()
+    mcmc = _run_traced(pyro.infer.MCMC(kernel, num_samples=800, warmup_steps=300, disable_progbar=True,
+                                       initial_params={"mu": torch.zeros((), dtype=torch.float64, device="cuda")}))
     mu = mcmc.get_samples()["mu"]
     assert mu.dtype == torch.float64 and mu.device.type == "cuda"
     _check(mu, y)

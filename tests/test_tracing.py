@@ -816,27 +816,6 @@ def _correlated_simplex():
     pyro.sample("corr", dist.LKJCholesky(3, 2.0))
 
 
-def test_the_batched_gradient_of_in_place_scatters_has_batching_rules():
-    """The gradients of the stick-breaking transform (simplex sites) and of
-    ``LKJCholesky`` write in place (``scatter_``), which ``vmap`` has no batching rule for:
-    it ran them one point at a time, and printed torch's "performance drop" warning on
-    every many-chain run of such a model. The single-point graph is functionalized before
-    ``vmap`` (in-place ops become out-of-place ones, which have rules). Checked with
-    ``vmap`` 's per-point fallback switched off, against Pyro's gradient, point by point."""
-    flat = from_model(_correlated_simplex)
-    engine = GradientEngine(flat)
-    fallback = torch._C._functorch._is_vmap_fallback_enabled()
-    torch._C._functorch._set_vmap_fallback_enabled(False)
-    try:
-        assert engine._batched_graph(4) is not None
-    finally:
-        torch._C._functorch._set_vmap_fallback_enabled(fallback)
-    batch = flat.initial_z + 0.5 * torch.randn(4, flat.dim, generator=torch.Generator().manual_seed(0))
-    U, g = engine.value_and_grad(batch)
-    U_ref, g_ref = flat.batched_value_and_grad(batch)
-    assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
-
-
 def _gaussian_process(sparse=False):
     """Pyro's ``GPRegression`` (or ``SparseGPRegression`` with 4 inducing points) with priors
     on its hyperparameters, as in Pyro's GP tutorial: it adds the noise to the covariance's
@@ -855,16 +834,25 @@ def _gaussian_process(sparse=False):
     return regression.model
 
 
-@pytest.mark.parametrize("sparse", [False, True], ids=["GPRegression", "SparseGPRegression"])
-def test_the_batched_gradient_of_a_write_into_a_diagonal_has_batching_rules(sparse):
-    """A write into a strided slice (a Gaussian process's jitter on the covariance diagonal):
-    its gradient reads and writes the diagonal through ``as_strided`` (``[n], [n + 1]``, or
-    ``[1, n], [n * n, n + 1]`` in the sparse one) and ``copy_``. Under ``functionalize``,
-    ``vmap`` failed on the slice "to the end" ("invalid size, possible overflow?") and had no
-    rule for ``as_strided_scatter`` or ``copy``: the chains' gradients went through the
-    one-point graph one by one. Checked with ``vmap`` 's per-point fallback switched off,
-    against Pyro's gradient, point by point."""
-    flat = from_model(_gaussian_process(sparse))
+@pytest.mark.parametrize("name", ["simplex_and_LKJCholesky", "GPRegression", "SparseGPRegression"])
+def test_the_batched_gradient_of_writes_has_batching_rules(name):
+    """Gradients that write in place, which ``vmap`` had no batching rules for:
+
+    - of the stick-breaking transform (simplex sites) and of ``LKJCholesky`` (``scatter_``):
+      it ran them one point at a time, printing torch's "performance drop" warning on every
+      many-chain run; the single-point graph is functionalized before ``vmap``.
+    - of a write into a strided slice (a Gaussian process's jitter on the covariance
+      diagonal): through ``as_strided`` (``[n], [n + 1]``, or ``[1, n], [n * n, n + 1]`` in
+      the sparse one) and ``copy_``. Under ``functionalize``, ``vmap`` failed on the slice "to
+      the end" ("invalid size, possible overflow?") and had no rule for
+      ``as_strided_scatter`` or ``copy``: the chains' gradients went through the one-point
+      graph one by one (``tracing.for_vmap``).
+
+    Checked with ``vmap`` 's per-point fallback switched off, against Pyro's gradient,
+    point by point."""
+    model = {"simplex_and_LKJCholesky": lambda: _correlated_simplex, "GPRegression": _gaussian_process,
+             "SparseGPRegression": lambda: _gaussian_process(sparse=True)}[name]()
+    flat = from_model(model)
     engine = GradientEngine(flat)
     fallback = torch._C._functorch._is_vmap_fallback_enabled()
     torch._C._functorch._set_vmap_fallback_enabled(False)
