@@ -84,6 +84,8 @@ def _starting_at(model, draw: Dict[str, torch.Tensor]):
 
 
 def _prior_draw_if_discrete(site):
+    """The init strategy's fallback for a site not in the draw: a prior draw where the site
+    is discrete (Pyro's default, ``init_to_uniform``, refuses those)."""
     return init_to_sample(site) if site["fn"].has_enumerate_support else init_to_uniform(site)
 
 

@@ -325,9 +325,7 @@ def _strided_as_slice(node, values) -> Optional[tuple]:
     contiguous from the start of its storage and the dimensions of more than one element
     (a dimension of one has no stride that matters) are a strided run (``[n], [k]``: a
     matrix's diagonal; ``[1, n], [*, k]``) or a contiguous block. ``None`` for other
-    ``as_strided`` calls and other nodes."""
-    if node.target is not torch.ops.aten.as_strided.default:
-        return None
+    ``as_strided`` calls."""
     x, size, stride, offset = (list(node.args) + [node.kwargs.get("storage_offset")])[:4]
     x = values[x]
     offset = x.storage_offset() if offset is None else offset
@@ -393,8 +391,8 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
             dim = node.args[1]
             node.args = node.args[:3] + (values[node.args[0]].shape[dim],) + node.args[4:]
             continue
-        strided_slice = _strided_as_slice(node, values)
         if node.target is aten.as_strided.default:
+            strided_slice = _strided_as_slice(node, values)
             if strided_slice is None:
                 continue
             x, size = node.args[:2]
@@ -457,7 +455,7 @@ def _functional_without_copies(gm: torch.fx.GraphModule, example: torch.Tensor) 
             with graph.inserting_before(node):
                 clone = graph.call_function(torch.ops.aten.clone.default, (src,),
                                             {"memory_format": torch.contiguous_format})
-            clone.meta["val"] = out
+            clone.meta["val"] = src.meta["val"].clone(memory_format=torch.contiguous_format)  # for a copy of it
             node.replace_all_uses_with(clone)
             graph.erase_node(node)
     graph.eliminate_dead_code()
