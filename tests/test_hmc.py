@@ -289,6 +289,9 @@ def test_non_finite_energy_is_a_divergence_not_a_crash():
     assert torch.isfinite(mcmc.get_samples()["x"]).all()
 
 
+CORRELATED_PAIRS = torch.randn(20, 2, generator=torch.Generator().manual_seed(0)) @ torch.tensor([[1.0, 0.0], [0.5, 0.87]]).T
+
+
 def _correlation(y):
     """A 2x2 correlation ``r`` whose Cholesky factorisation fails for ``|r| >= 1``."""
     r = pyro.sample("r", dist.Normal(0.0, 0.1))
@@ -304,10 +307,9 @@ def test_a_model_failing_at_a_validation_point_still_gets_its_programs():
     transition (the program never got built): all 80 transitions divergent, ``r`` stuck at
     its first value (with step-size adaptation the step size then collapsed and the steps
     per transition grew without bound). The current point stands in for such a point."""
-    y = torch.randn(20, 2, generator=torch.Generator().manual_seed(0)) @ torch.tensor([[1.0, 0.0], [0.5, 0.87]]).T
     pyro.set_rng_seed(0)
     kernel = HMC(_correlation, step_size=0.05, num_steps=12, adapt_step_size=False, adapt_mass_matrix=False)
-    mcmc = run(kernel, 60, 20, y, initial_params={"r": torch.tensor(0.3)})
+    mcmc = run(kernel, 60, 20, CORRELATED_PAIRS, initial_params={"r": torch.tensor(0.3)})
     assert mcmc.diagnostics()["divergences"]["chain 0"] == []
     r = mcmc.get_samples()["r"]
     assert r.unique().numel() > 30 and (r.abs() < 1).all()
@@ -317,12 +319,11 @@ def test_vectorized_chains_of_a_model_failing_at_validation_points_run():
     """The same for the round program of many chains: a chain's model failing at its random
     validation point stopped the whole run with the Cholesky's ``LinAlgError``; that chain's
     current state stands in for it."""
-    y = torch.randn(20, 2, generator=torch.Generator().manual_seed(0)) @ torch.tensor([[1.0, 0.0], [0.5, 0.87]]).T
     pyro.set_rng_seed(0)
     mcmc = pyro_hmc_plus.MCMC(NUTS(_correlation), num_samples=50, warmup_steps=50, num_chains=4,
                               initial_params={"r": torch.full((4,), 0.3)}, disable_progbar=True,
                               warn_on_problems=False)
-    mcmc.run(y)
+    mcmc.run(CORRELATED_PAIRS)
     r = mcmc.get_samples(group_by_chain=True)["r"]
     assert r.shape == (4, 50) and (r.abs() < 1).all()
 
