@@ -405,26 +405,17 @@ class _VectorizedRun:
                     k._chains_next_kind(chains, schedule))
 
         def validation():
-            """The chains' states, two random points near them (a chain's own state where its
-            model fails at its random point), and last the states again with steps a
-            thousandth as long: a program is recorded at the first of these where every
+            """The chains' states, two random points near them, and last the states again with
+            steps a thousandth as long: a program is recorded at the first of these where every
             chain's model evaluates along its trajectory, and a Gaussian process's Cholesky
             fails somewhere along 4 chains' full-length trajectories more often than not."""
             gen = torch.Generator(device=self.metric.inverse_mass.device).manual_seed(0)
-            here = self.chains.position
+            here, step = self.chains.position, self.chains.step_size
+            starts = ([(here, step)] + [(self._near(here, gen), step) for _ in range(2)]
+                      + [(here, step._replace(value=step.value * 1e-3))])
             out = []
-            for i in range(4):
-                state = here
-                if i in (1, 2):
-                    z = here.z + torch.empty_like(here.z).uniform_(-2, 2, generator=gen)
-                    U, g = self._safe_value_and_grad(z)
-                    ok = torch.isfinite(U)
-                    state = HMCState(torch.where(ok[:, None], z, here.z), torch.where(ok, U, here.potential_energy),
-                                     torch.where(ok[:, None], g, here.grad))
-                step = self.chains.step_size
-                if i == 3:
-                    step = step._replace(value=step.value * 1e-3)
-                chains = k._chains_init(state, self.metric, step)
+            for state, step_size in starts:
+                chains = k._chains_init(state, self.metric, step_size)
                 z = state.z
                 noise = torch.randn((T,) + z.shape, generator=gen, dtype=z.dtype, device=z.device)
                 uniforms = torch.rand((T, self.C, k._chains_uniforms), generator=gen, dtype=z.dtype, device=z.device)
@@ -434,6 +425,15 @@ class _VectorizedRun:
         self._eager_advance[kind] = lambda *xs: advance(self._safe_value_and_grad, *xs)
         return k._program(("chains", self.C, T, kind) + k._chains_settings(), advance, validation,
                           max_inlined_gradient_ops=MAX_INLINED_BATCHED_GRADIENT_OPS)
+
+    def _near(self, here: HMCState, generator: torch.Generator) -> HMCState:
+        """A random point within +-2 of each chain's state (``here``), with its energy and
+        gradient; the chain's own state where its model fails at that point."""
+        z = here.z + torch.empty_like(here.z).uniform_(-2, 2, generator=generator)
+        U, g = self._safe_value_and_grad(z)
+        ok = torch.isfinite(U)
+        return HMCState(torch.where(ok[:, None], z, here.z), torch.where(ok, U, here.potential_energy),
+                        torch.where(ok[:, None], g, here.grad))
 
     def _slots(self, kind: int) -> int:
         """Leapfrog steps per chain of one call of :meth:`_advance_program` ``(kind)``."""
