@@ -15,7 +15,7 @@ from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from . import adaptation, chain_batch, nuts, potential, rounds
-from .engine import GradientEngine, is_numerical_failure
+from .engine import GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
@@ -285,6 +285,7 @@ class HMC(MCMCKernel):
         self._warmup_steps = 0
         self._step_size = self._init_step_size
 
+    @with_autograd
     def setup(self, warmup_steps, *args, **kwargs):
         initial = self._initial_params
         self._reset()
@@ -672,6 +673,7 @@ class HMC(MCMCKernel):
         stats = dict(lp=lp, energy=energy, acceptance_rate=accept_prob, diverging=bool(diverging), n_steps=n_steps)
         return state, stats, bool(accepted)
 
+    @with_autograd
     def sample(self, params):
         if self._state is None:
             raise RuntimeError("call setup() before sample()")

@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from . import adaptation, chain_batch, rounds
 from .hmc import HMCState
-from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, is_numerical_failure
+from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, is_numerical_failure, with_autograd
 from .inference_data import diagnose, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
 from .nuts import select
@@ -153,6 +153,7 @@ class MCMC(pyro.infer.MCMC):
         )
 
     @poutine.block
+    @with_autograd
     def run(self, *args, **kwargs):
         if self.chain_method == "parallel":
             super().run(*args, **kwargs)

@@ -76,6 +76,26 @@ def test_conjugate_normal_normal():
     assert_variance(mu, var)
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("runner", ["pyro.infer.MCMC", "sequential", "vectorized"])
+def test_runs_inside_no_grad_and_inference_mode(mode, runner):
+    """A ``torch.no_grad()`` or ``torch.inference_mode()`` block around the run (as users
+    write around predictions) must not take the gradient away: it stopped every kernel, Pyro's
+    too, with autograd's "element 0 of tensors does not require grad"."""
+    x = torch.randn(20) + 3.0
+    mean, var = normal_normal_posterior(x)
+    with mode():
+        if runner == "pyro.infer.MCMC":
+            mcmc = run(NUTS(normal_normal), 600, 300, x)
+        else:
+            mcmc = pyro_hmc_plus.MCMC(NUTS(normal_normal), num_samples=300, warmup_steps=300, num_chains=2,
+                                      chain_method=runner, disable_progbar=True)
+            mcmc.run(x)
+    mu = mcmc.get_samples()["mu"].numpy()
+    assert_mean(mu, mean)
+    assert_variance(mu, var)
+
+
 @pytest.mark.parametrize("change", ["replaced", "written in place"])
 def test_running_again_after_the_models_global_data_changed(change):
     """A model that reads its data from a global instead of its arguments: the trace bakes
