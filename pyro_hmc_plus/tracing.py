@@ -115,11 +115,16 @@ class _AtenRecorder(TorchDispatchMode):
     ``log_sigmoid_backward`` (the stick-breaking transform's gradient, under every simplex
     site) with the incoming gradient unbatched, and its CPU kernel then resizes its output
     to the batch with a C++ warning, thousands of lines on every many-chain run. The
-    gradient is expanded to the input's shape first: the same values, no warning."""
+    gradient is expanded to the input's shape first: the same values, no warning.
 
-    def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module):
+    With ``check_escapes``, it also refuses what :class:`LatentTaint` cannot see because it
+    happens inside one torch operation (:meth:`_refuse_escapes`)."""
+
+    def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module, check_escapes: bool = False):
         super().__init__()
         self.graph, self.root = graph, root
+        # ids of the inputs and of every tensor computed from them, when escapes are checked
+        self._from_inputs = set() if check_escapes else None
         self._node_of = {}  # id(tensor) -> node
         self._alive = []  # the tensors of _node_of, so that their ids are not reused
         self._constants = 0
@@ -131,6 +136,36 @@ class _AtenRecorder(TorchDispatchMode):
         # first call imports dynamo; this mode is never compiled, so opt out (the hook
         # torch's own docstring names for it; without it, only the import time comes back)
         return False
+
+    def mark_input(self, tensor: torch.Tensor, node: torch.fx.Node):
+        self.bind(tensor, node)
+        if self._from_inputs is not None:
+            self._from_inputs.add(id(tensor))
+
+    def _computed_from_inputs(self, tensors) -> bool:
+        return any(torch.is_tensor(t) and id(t) in self._from_inputs for t in tensors)
+
+    def _refuse_escapes(self, func, args, kwargs):
+        """Inside one torch operation, a value computed from the inputs may become a Python
+        number (``x[i]`` with a 0-dim tensor ``i``, ``torch.arange(n)`` with a tensor ``n``:
+        torch's C++ reads it with ``item()``, which the trace freezes), or decide the shape
+        of the result (``x[x > 0]``, ``nonzero``, ``unique``), whose size later code may read
+        as a number (``.numel()``, ``.shape``, a ``view``) that the trace freezes too: a
+        silently wrong potential at every other point (``z[z.argmax()]`` sampled a fixed
+        element's posterior)."""
+        if torch.Tag.data_dependent_output in func.tags and self._computed_from_inputs(tree_flatten((args, kwargs))[0]):
+            raise UntraceableModel(
+                f"the potential turns a value computed from the latent variables into a Python number inside "
+                f"`{func.overloadpacket.__name__}` (e.g. indexing with a 0-dim tensor `x[i]`, or `torch.arange(n)` "
+                "with a tensor `n`), so one trace cannot stand for every point"
+            )
+        if torch.Tag.dynamic_output_shape in func.tags and self._computed_from_inputs(_shape_deciding_arguments(func, args)):
+            raise UntraceableModel(
+                f"the potential selects elements by a condition on the latent variables (`{func.overloadpacket.__name__}`: "
+                "`x[x > 0]`, `nonzero`, `unique`, ...), so the number of elements changes from point to point and one "
+                "trace cannot stand for every point; `torch.where` over all elements keeps the shape fixed "
+                "(`torch.where(x > 0, f(x), 0.).sum()`)"
+            )
 
     def bind(self, tensor: torch.Tensor, node: torch.fx.Node):
         self._node_of[id(tensor)] = node
@@ -172,6 +207,8 @@ class _AtenRecorder(TorchDispatchMode):
                 "outside the model, and put modules with dropout in eval mode",
                 eager_is_correct=False,
             )
+        if self._from_inputs is not None:
+            self._refuse_escapes(func, args, kwargs)
         if func is aten.log_sigmoid_backward.default:
             shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
             if args[0].shape != shape:
@@ -179,6 +216,10 @@ class _AtenRecorder(TorchDispatchMode):
         node_args, node_kwargs = tree_map_only(torch.Tensor, self.node_for, (args, kwargs))
         self._keep_constant_values([t for t in _written_arguments(func, args, kwargs) if torch.is_tensor(t)])
         out = func(*args, **kwargs)
+        # the outcome of a distribution's validation is not followed (as in LatentTaint)
+        if (self._from_inputs is not None and func is not aten._is_all_true.default
+                and self._computed_from_inputs(tree_flatten((args, kwargs))[0])):
+            self._from_inputs.update(id(t) for t in tree_flatten(out)[0] if torch.is_tensor(t))
         node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
         if isinstance(out, torch.Tensor):
             self.bind(out, node)  # an in-place op rebinds its tensor: later readers follow it
@@ -199,12 +240,24 @@ def _draws_random_numbers(func) -> bool:
         kind in func.overloadpacket.__name__ for kind in ("attention", "rnn", "lstm", "gru"))
 
 
-def _record(fn, example_inputs) -> torch.fx.GraphModule:
+def _shape_deciding_arguments(func, args) -> list:
+    """The arguments whose values decide the shape of the result of an op tagged
+    ``dynamic_output_shape``: a boolean index's mask (integer indices give their own shape),
+    ``masked_select``'s mask, and otherwise the first argument (``nonzero``, the ``unique``
+    family, ``bincount``, ``one_hot``, ``repeat_interleave``'s repeats)."""
+    if func is aten.index.Tensor:
+        return [i for i in args[1] if i is not None and i.dtype in (torch.bool, torch.uint8)]
+    if func.overloadpacket is aten.masked_select:
+        return [args[1]]
+    return [args[0]]
+
+
+def _record(fn, example_inputs, check_escapes: bool = False) -> torch.fx.GraphModule:
     """``fn(*example_inputs)`` run once under :class:`_AtenRecorder`: a graph of its aten ops."""
     graph, root = torch.fx.Graph(), torch.nn.Module()
-    recorder = _AtenRecorder(graph, root)
+    recorder = _AtenRecorder(graph, root, check_escapes)
     for i, x in enumerate(example_inputs):
-        recorder.bind(x, graph.placeholder(f"arg{i}_1"))
+        recorder.mark_input(x, graph.placeholder(f"arg{i}_1"))
     with recorder:
         out = fn(*example_inputs)
     graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
@@ -252,7 +305,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
             with _shared_fake_mode():
                 gm = make_fx(fn, tracing_mode="fake", _error_on_data_dependent_ops=False)(*example_inputs)
         else:
-            gm = _record(tainted_fn if check_escapes else fn, example_inputs)
+            gm = _record(tainted_fn if check_escapes else fn, example_inputs, check_escapes)
     except UntraceableModel as e:
         while isinstance(e.__cause__, UntraceableModel):  # Pyro re-raises an error from inside a
             e = e.__cause__  # model with its trace's shapes appended: the first one says why

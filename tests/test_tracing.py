@@ -31,11 +31,47 @@ def _latent_tolist(p):
     return (p["x"] ** 2).sum() + 0 * scale
 
 
-@pytest.mark.parametrize("fn", [_latent_branch, _latent_item, _latent_tolist])
+def _latent_index(p):  # torch's C++ reads the 0-dim index with item(), below any Python hook
+    return p["x"][p["x"].argmax()] ** 2
+
+
+def _latent_arange(p):
+    return (p["x"] ** 2).sum() * torch.arange((p["x"] > 0).sum() + 1).sum()
+
+
+def _latent_mask(p):  # as many elements as are positive at this point
+    return (p["x"][p["x"] > 0] ** 2).sum()
+
+
+def _latent_unique_count(p):
+    return (p["x"] ** 2).sum() * torch.unique(p["x"] > 0).numel()
+
+
+@pytest.mark.parametrize("fn", [_latent_branch, _latent_item, _latent_tolist, _latent_index, _latent_arange,
+                                _latent_mask, _latent_unique_count])
 def test_latent_escapes_are_refused(fn):
     flat = from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2])})
     with pytest.raises(UntraceableModel):
         tracing.trace(flat.value_and_grad, (flat.initial_z,))
+
+
+def test_selections_whose_shapes_the_data_fix_are_traced():
+    """Masks and indices that are data, and integer indices computed from the latent
+    variables (their shape is their own), keep the traced engine and its values."""
+    mask = torch.tensor([True, False, True])
+
+    def fn(p):
+        x = p["x"]
+        return (x[mask] ** 2).sum() + x[x.argsort()].cumsum(0).pow(2).sum() + x.masked_select(mask).sum()
+
+    flat = from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2, 1.0])})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    z = torch.tensor([-1.0, 2.0, 0.3])
+    for actual, expected in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
+        assert torch.allclose(actual, expected)
 
 
 def test_untraceable_potential_falls_back_to_eager_with_one_warning():
