@@ -53,7 +53,6 @@ _ESCAPES = {
     "__int__": "`int()` of",
     "__index__": "indexing or `range` with",
     "__array__": "a NumPy conversion of",
-    "__len__": "`len()` of",
 }
 
 

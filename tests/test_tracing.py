@@ -74,6 +74,27 @@ def test_selections_whose_shapes_the_data_fix_are_traced():
         assert torch.allclose(actual, expected)
 
 
+def test_loops_over_a_latent_tensors_length_are_traced():
+    """``len()`` of a value computed from the latent variables is its shape, which no value
+    decides (the recorder refuses the ops whose results' shapes values decide): the trace
+    keeps it, as it keeps ``.shape`` (``len()`` sent such models to eager autograd)."""
+
+    def model():
+        theta = pyro.sample("theta", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        for i in range(len(theta)):
+            pyro.sample(f"y_{i}", dist.Normal(theta[i], 1.0), obs=torch.tensor(float(i)))
+        pyro.factor("rows", sum(-0.5 * t**2 for t in theta * 0.1))
+
+    flat = from_model(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    z = torch.tensor([-1.0, 2.0, 0.3])
+    for actual, expected in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
+        assert torch.allclose(actual, expected)
+
+
 def test_untraceable_potential_falls_back_to_eager_with_one_warning():
     flat = from_potential_fn(_latent_branch, {"x": torch.tensor([0.5, -0.2])})
     with pytest.warns(EngineFallbackWarning, match="Python `if`"):
