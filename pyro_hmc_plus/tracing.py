@@ -5,10 +5,11 @@ backward of ``torch.autograd.grad`` included); the resulting FX graph can be re-
 compiled) at new inputs without Python or Pyro in the way. The
 danger is a trace that silently freezes a value which depends on the inputs: a Python
 ``if`` on a latent, ``.item()``, ``.tolist()``. Pyro's own ``jit_compile=True`` bakes such
-values in without a word. We refuse them instead: :class:`LatentTaint` is a
-``TorchFunctionMode`` that marks the inputs and every tensor computed from them, and
-raises :class:`UntraceableModel` when a marked tensor is turned into a Python value.
-Branches on data alone (not derived from the inputs) are allowed and traced as constants.
+values in without a word. We refuse them instead: the recorder marks the inputs and every
+tensor computed from them, and raises :class:`UntraceableModel` when a marked tensor is
+turned into a Python value, in the model's Python code (:class:`LatentTaint`) or inside a
+torch operation, or decides how many elements a result has (``x[x > 0]``). Branches on
+data alone (not derived from the inputs) are allowed and traced as constants.
 
 After tracing, :func:`fold_constants` evaluates once everything that depends only on
 constants (a Cholesky of a fixed precision matrix, masks, ``eye``), which can halve the
@@ -17,6 +18,7 @@ cost of small models, and removes aliasing no-ops.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import heapq
@@ -57,48 +59,24 @@ _ESCAPES = {
 
 
 class LatentTaint(TorchFunctionMode):
-    """Marks tensors computed from the traced inputs and refuses to let them become Python values."""
+    """Refuses to let a tensor computed from the traced inputs become a Python value in the
+    model's Python code (an ``if``, ``.item()``, ``.numpy()``), naming the call. Which tensors
+    are so computed, the recorder underneath follows through the aten ops
+    (:meth:`_AtenRecorder.computed_from_inputs`)."""
 
-    def __init__(self):
+    def __init__(self, recorder: "_AtenRecorder"):
         super().__init__()
-        self._marked = {}  # id -> tensor (kept alive so ids are not reused during the trace)
-
-    def mark(self, tensor):
-        self._marked[id(tensor)] = tensor
-
-    def _is_marked(self, obj):
-        return torch.is_tensor(obj) and id(obj) in self._marked
+        self._recorder = recorder
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        flat_in, _ = tree_flatten((args, kwargs))
-        tainted = any(self._is_marked(a) for a in flat_in)
         name = getattr(func, "__name__", "")
-        if tainted and name == "_is_all_true":
-            # torch.distributions' validation of values computed from the latent variables
-            # (``if not torch._is_all_true(valid): raise ValueError``), which a distribution
-            # expanded while Pyro's validation was on keeps whatever the context says later
-            # (a PyroSample prior ``Normal(0, 1).expand([n]).to_event(1)``): checked here, at
-            # the trace point, and not recorded (a check that fails here raises as in Pyro). Where it would fail later, the
-            # log-density is in practice NaN or infinite (a log of a negative scale or
-            # probability...): a divergence, as the eager potential's error would be.
-            return func(*args, **kwargs)
-        if tainted and name in _ESCAPES:
+        if name in _ESCAPES and self._recorder.computed_from_inputs(tree_flatten((args, kwargs))[0]):
             raise UntraceableModel(
                 f"the potential uses {_ESCAPES[name]} a value computed from the latent "
                 "variables, so one trace cannot stand for every point"
             )
-        out = func(*args, **kwargs)
-        if tainted:
-            for t in tree_flatten(out)[0]:
-                if torch.is_tensor(t):
-                    self.mark(t)
-            if name.endswith("_") and args and torch.is_tensor(args[0]):
-                self.mark(args[0])  # in-place op on an untainted tensor with tainted input
-            for t in tree_flatten(kwargs.get("out"))[0]:
-                if torch.is_tensor(t):
-                    self.mark(t)
-        return out
+        return func(*args, **kwargs)
 
 
 class _AtenRecorder(TorchDispatchMode):
@@ -116,8 +94,9 @@ class _AtenRecorder(TorchDispatchMode):
     to the batch with a C++ warning, thousands of lines on every many-chain run. The
     gradient is expanded to the input's shape first: the same values, no warning.
 
-    With ``check_escapes``, it also refuses what :class:`LatentTaint` cannot see because it
-    happens inside one torch operation (:meth:`_refuse_escapes`)."""
+    With ``check_escapes``, it follows which tensors are computed from the inputs, for
+    :class:`LatentTaint` above it, and itself refuses what happens inside one torch operation,
+    which that mode cannot see (:meth:`_refuse_escapes`)."""
 
     def __init__(self, graph: torch.fx.Graph, root: torch.nn.Module, check_escapes: bool = False):
         super().__init__()
@@ -141,7 +120,7 @@ class _AtenRecorder(TorchDispatchMode):
         if self._from_inputs is not None:
             self._from_inputs.add(id(tensor))
 
-    def _computed_from_inputs(self, tensors) -> bool:
+    def computed_from_inputs(self, tensors) -> bool:
         return any(torch.is_tensor(t) and id(t) in self._from_inputs for t in tensors)
 
     def _refuse_escapes(self, func, args, kwargs):
@@ -152,13 +131,13 @@ class _AtenRecorder(TorchDispatchMode):
         as a number (``.numel()``, ``.shape``, a ``view``) that the trace freezes too: a
         silently wrong potential at every other point (``z[z.argmax()]`` sampled a fixed
         element's posterior)."""
-        if torch.Tag.data_dependent_output in func.tags and self._computed_from_inputs(tree_flatten((args, kwargs))[0]):
+        if torch.Tag.data_dependent_output in func.tags and self.computed_from_inputs(tree_flatten((args, kwargs))[0]):
             raise UntraceableModel(
                 f"the potential turns a value computed from the latent variables into a Python number inside "
                 f"`{func.overloadpacket.__name__}` (e.g. indexing with a 0-dim tensor `x[i]`, or `torch.arange(n)` "
                 "with a tensor `n`), so one trace cannot stand for every point"
             )
-        if torch.Tag.dynamic_output_shape in func.tags and self._computed_from_inputs(_shape_deciding_arguments(func, args)):
+        if torch.Tag.dynamic_output_shape in func.tags and self.computed_from_inputs(_shape_deciding_arguments(func, args)):
             raise UntraceableModel(
                 f"the potential selects elements by a condition on the latent variables (`{func.overloadpacket.__name__}`: "
                 "`x[x > 0]`, `nonzero`, `unique`, ...), so the number of elements changes from point to point and one "
@@ -215,9 +194,16 @@ class _AtenRecorder(TorchDispatchMode):
         node_args, node_kwargs = tree_map_only(torch.Tensor, self.node_for, (args, kwargs))
         self._keep_constant_values([t for t in _written_arguments(func, args, kwargs) if torch.is_tensor(t)])
         out = func(*args, **kwargs)
-        # the outcome of a distribution's validation is not followed (as in LatentTaint)
+        # Not followed: the outcome of torch.distributions' validation of values computed from
+        # the latent variables (``if not torch._is_all_true(valid): raise ValueError``), which
+        # a distribution expanded while Pyro's validation was on keeps whatever the context
+        # says later (a PyroSample prior ``Normal(0, 1).expand([n]).to_event(1)``): checked
+        # here, at the trace point, and not recorded (a check that fails here raises as in
+        # Pyro). Where it would fail later, the log-density is in practice NaN or infinite (a
+        # log of a negative scale or probability...): a divergence, as the eager potential's
+        # error would be.
         if (self._from_inputs is not None and func is not aten._is_all_true.default
-                and self._computed_from_inputs(tree_flatten((args, kwargs))[0])):
+                and self.computed_from_inputs(tree_flatten((args, kwargs))[0])):
             self._from_inputs.update(id(t) for t in tree_flatten(out)[0] if torch.is_tensor(t))
         node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
         if isinstance(out, torch.Tensor):
@@ -257,7 +243,7 @@ def _record(fn, example_inputs, check_escapes: bool = False) -> torch.fx.GraphMo
     recorder = _AtenRecorder(graph, root, check_escapes)
     for i, x in enumerate(example_inputs):
         recorder.mark_input(x, graph.placeholder(f"arg{i}_1"))
-    with recorder:
+    with recorder, LatentTaint(recorder) if check_escapes else contextlib.nullcontext():
         out = fn(*example_inputs)
     graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
     return torch.fx.GraphModule(root, graph)
@@ -283,19 +269,13 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     By default ``fn`` runs once on the example inputs while :class:`_AtenRecorder` writes
     down its operations. Raises :class:`UntraceableModel` if ``fn`` lets a value derived from
     its inputs escape into Python, or fails. ``check_escapes=False`` skips the escape check
-    (it costs as much as the trace itself) for functions known to be pure tensor code, such
+    for functions known to be pure tensor code, such
     as the sampler's own functions around an already checked gradient. ``fake=True`` traces
     with ``make_fx`` on fake tensors instead, without the escape check (for the compilers,
     which need its metadata, on functions around the checked gradient), so no value is
     computed and a model that fails numerically at the example inputs (a Cholesky beyond its
     support) still traces.
     """
-
-    def tainted_fn(*inputs):
-        with LatentTaint() as taint:
-            for x in inputs:
-                taint.mark(x)
-            return fn(*inputs)
 
     if fake and check_escapes:
         raise ValueError("a fake-tensor trace cannot check for escapes: pass check_escapes=False")
@@ -304,7 +284,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
             with _shared_fake_mode():
                 gm = make_fx(fn, tracing_mode="fake", _error_on_data_dependent_ops=False)(*example_inputs)
         else:
-            gm = _record(tainted_fn if check_escapes else fn, example_inputs, check_escapes)
+            gm = _record(fn, example_inputs, check_escapes)
     except UntraceableModel as e:
         while isinstance(e.__cause__, UntraceableModel):  # Pyro re-raises an error from inside a
             e = e.__cause__  # model with its trace's shapes appended: the first one says why
