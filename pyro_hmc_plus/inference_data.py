@@ -245,21 +245,39 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
     ``deterministic_shapes`` gives each deterministic site's shape in ``trace`` (the model
     run once). Vectorised over the draws with ``pyro.infer.Predictive`` where the model
     broadcasts over a leading dimension, else draw by draw, as ``Predictive`` does by
-    default (a ``PyroModule`` network's ``nn.Linear`` does not broadcast over draws)."""
+    default (a ``PyroModule`` network's ``nn.Linear`` does not broadcast over draws).
+
+    Whether it broadcasts is checked on two draws, against their replay one by one: a model
+    that multiplies a scalar site's draws ``(draws, 1)`` into a vector site's ``(draws, 1,
+    n)`` (``sigma * torch.cumsum(innovations, -1)``) computes each draw with every other
+    draw's values, which raises no error where no shape is checked: it once gave a log
+    likelihood of shape ``(chains, draws, draws, n)``, and took draws-squared memory."""
     num = num_chains * num_draws
-    try:
+    one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in observed}
+
+    def one_by_one(draws: range):
+        replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
+                    for i in draws]
+        return ({name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed},
+                {name: torch.stack([t.nodes[name]["value"] for t in replayed]) for name in deterministic_shapes})
+
+    def vectorised(draws: range):
+        at = {k: v[draws.start:draws.stop] for k, v in samples.items()}
         with torch.no_grad():
-            replayed = pyro.infer.Predictive(model, _shaped_for_plates(samples, trace)).get_vectorized_trace(
-                *args, **kwargs)
-        log_p = {name: _log_density(replayed.nodes[name]) for name in observed}
-        values = {name: _at_every_draw(replayed.nodes[name]["value"], shape, num)
-                  for name, shape in deterministic_shapes.items()}
+            replayed = pyro.infer.Predictive(model, _shaped_for_plates(at, trace)).get_vectorized_trace(*args, **kwargs)
+        return ({name: _log_density(replayed.nodes[name]).reshape((len(draws),) + shape)
+                 for name, shape in one_draw_shapes.items()},
+                {name: _at_every_draw(replayed.nodes[name]["value"], shape, len(draws))
+                 for name, shape in deterministic_shapes.items()})
+
+    try:
+        probe = range(min(num, 2))
+        if not _agree(vectorised(probe), one_by_one(probe)):
+            raise ValueError("the vectorised replay disagrees with the replay draw by draw")
+        log_p, values = vectorised(range(num))
     except Exception:  # the model does not broadcast over the draws: replay them one by one
         try:
-            replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
-                        for i in range(num)]
-            log_p = {name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed}
-            values = {name: torch.stack([t.nodes[name]["value"] for t in replayed]) for name in deterministic_shapes}
+            log_p, values = one_by_one(range(num))
         except Exception as e:
             warnings.warn(
                 f"could not replay the model at the draws ({type(e).__name__}: {e}); the log_likelihood group "
@@ -278,6 +296,12 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
 
 def _log_density(site) -> torch.Tensor:
     return site["fn"].log_prob(site["value"]).detach()
+
+
+def _agree(first, second) -> bool:
+    """Whether two replays' ``(log densities, values)`` are the same within float rounding."""
+    pairs = [(a[name], b[name]) for a, b in zip(first, second) for name in a]
+    return all(x.shape == y.shape and torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True) for x, y in pairs)
 
 
 def _at_every_draw(value: torch.Tensor, shape: tuple, num: int) -> torch.Tensor:

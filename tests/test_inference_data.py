@@ -133,6 +133,33 @@ def test_a_model_that_does_not_broadcast_over_draws_is_replayed_draw_by_draw():
     assert idata.log_likelihood["y"].dims == ("chain", "draw", "data")
 
 
+def test_a_model_that_broadcasts_draws_against_each_other_is_replayed_draw_by_draw():
+    """A scalar site times a vector site (``to_event(1)``) without ``unsqueeze``: in the
+    vectorised replay the scalar's draws ``(draws, 1)`` meet the vector's ``(draws, 1, n)``
+    and every draw is computed with every other draw's scale, without an error. The log
+    likelihood came out ``(chains, draws, chains * draws, n)``, each draw's entry mixing
+    other draws' values."""
+
+    def random_walk_volatility(returns):
+        sigma = pyro.sample("sigma", dist.Exponential(10.0))
+        steps = pyro.sample("steps", dist.Normal(0.0, 1.0).expand(returns.shape).to_event(1))
+        log_vol = -1.0 + sigma * torch.cumsum(steps, -1)
+        with pyro.plate("days", returns.shape[0]):
+            pyro.sample("returns", dist.Normal(0.0, torch.exp(log_vol)), obs=returns)
+
+    returns = 0.4 * torch.randn(12, generator=torch.Generator().manual_seed(0))
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(random_walk_volatility), num_samples=15, warmup_steps=15, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(returns)
+    idata = to_inference_data(mcmc)
+    post = idata.posterior
+    log_vol = -1.0 + post["sigma"].values[..., None] * np.cumsum(post["steps"].values, -1)  # (2, 15, 12)
+    expected = torch.distributions.Normal(0.0, torch.as_tensor(np.exp(log_vol))).log_prob(returns).numpy()
+    assert idata.log_likelihood["returns"].dims == ("chain", "draw", "days")
+    np.testing.assert_allclose(idata.log_likelihood["returns"], expected, rtol=1e-4, atol=1e-5)
+
+
 def test_a_prior_that_cannot_be_sampled_is_exported():
     """The export traces the model for its plates and observed data. It sampled the prior
     for that, so a model with ``ImproperUniform`` failed at the end of ``run()`` (in the
