@@ -35,6 +35,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("gaussian_process.py", "relevant inputs [0, 1]"),
         ("potential_fn.py", "E[s]"),
         ("bayesian_neural_network.py", "(             gap)"),
+        ("stochastic_volatility.py", "of the true log-volatility path inside the 90% intervals"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
