@@ -197,9 +197,9 @@ class _AtenRecorder(TorchDispatchMode):
         # Not followed: the outcome of torch.distributions' validation of values computed from
         # the latent variables (``if not torch._is_all_true(valid): raise ValueError``), which
         # a distribution expanded while Pyro's validation was on keeps whatever the context
-        # says later (a PyroSample prior ``Normal(0, 1).expand([n]).to_event(1)``): checked
-        # here, at the trace point, and not recorded (a check that fails here raises as in
-        # Pyro). Where it would fail later, the log-density is in practice NaN or infinite (a
+        # says later (a PyroSample prior ``Normal(0, 1).expand([n]).to_event(1)``): checked at
+        # the trace point (a check that fails there raises as in Pyro), its branch not in the
+        # trace. Where it would fail later, the log-density is in practice NaN or infinite (a
         # log of a negative scale or probability...): a divergence, as the eager potential's
         # error would be.
         if (self._from_inputs is not None and func is not aten._is_all_true.default
@@ -269,8 +269,8 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     By default ``fn`` runs once on the example inputs while :class:`_AtenRecorder` writes
     down its operations. Raises :class:`UntraceableModel` if ``fn`` lets a value derived from
     its inputs escape into Python, or fails. ``check_escapes=False`` skips the escape check
-    for functions known to be pure tensor code, such
-    as the sampler's own functions around an already checked gradient. ``fake=True`` traces
+    for functions known to be pure tensor code, such as the sampler's own functions around an
+    already checked gradient. ``fake=True`` traces
     with ``make_fx`` on fake tensors instead, without the escape check (for the compilers,
     which need its metadata, on functions around the checked gradient), so no value is
     computed and a model that fails numerically at the example inputs (a Cholesky beyond its

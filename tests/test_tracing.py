@@ -55,6 +55,18 @@ def test_latent_escapes_are_refused(fn):
         tracing.trace(flat.value_and_grad, (flat.initial_z,))
 
 
+def _assert_traced_with_eagers_values(flat):
+    """The default engine traces ``flat`` (three latent dimensions) without falling back, and
+    its value and gradient at another point are the eager potential's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    z = torch.tensor([-1.0, 2.0, 0.3])
+    for actual, expected in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
+        assert torch.allclose(actual, expected)
+
+
 def test_selections_whose_shapes_the_data_fix_are_traced():
     """Masks and indices that are data, and integer indices computed from the latent
     variables (their shape is their own), keep the traced engine and its values."""
@@ -64,14 +76,7 @@ def test_selections_whose_shapes_the_data_fix_are_traced():
         x = p["x"]
         return (x[mask] ** 2).sum() + x[x.argsort()].cumsum(0).pow(2).sum() + x.masked_select(mask).sum()
 
-    flat = from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2, 1.0])})
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", EngineFallbackWarning)
-        engine = GradientEngine(flat)
-    assert engine.name == "trace"
-    z = torch.tensor([-1.0, 2.0, 0.3])
-    for actual, expected in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
-        assert torch.allclose(actual, expected)
+    _assert_traced_with_eagers_values(from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2, 1.0])}))
 
 
 def test_loops_over_a_latent_tensors_length_are_traced():
@@ -85,14 +90,7 @@ def test_loops_over_a_latent_tensors_length_are_traced():
             pyro.sample(f"y_{i}", dist.Normal(theta[i], 1.0), obs=torch.tensor(float(i)))
         pyro.factor("rows", sum(-0.5 * t**2 for t in theta * 0.1))
 
-    flat = from_model(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", EngineFallbackWarning)
-        engine = GradientEngine(flat)
-    assert engine.name == "trace"
-    z = torch.tensor([-1.0, 2.0, 0.3])
-    for actual, expected in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
-        assert torch.allclose(actual, expected)
+    _assert_traced_with_eagers_values(from_model(model))
 
 
 def test_untraceable_potential_falls_back_to_eager_with_one_warning():
