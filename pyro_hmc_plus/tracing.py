@@ -123,15 +123,15 @@ class _AtenRecorder(TorchDispatchMode):
     def computed_from_inputs(self, tensors) -> bool:
         return any(torch.is_tensor(t) and id(t) in self._from_inputs for t in tensors)
 
-    def _refuse_escapes(self, func, args, kwargs):
-        """Inside one torch operation, a value computed from the inputs may become a Python
-        number (``x[i]`` with a 0-dim tensor ``i``, ``torch.arange(n)`` with a tensor ``n``:
-        torch's C++ reads it with ``item()``, which the trace freezes), or decide the shape
-        of the result (``x[x > 0]``, ``nonzero``, ``unique``), whose size later code may read
-        as a number (``.numel()``, ``.shape``, a ``view``) that the trace freezes too: a
-        silently wrong potential at every other point (``z[z.argmax()]`` sampled a fixed
-        element's posterior)."""
-        if torch.Tag.data_dependent_output in func.tags and self.computed_from_inputs(tree_flatten((args, kwargs))[0]):
+    def _refuse_escapes(self, func, args):
+        """For an op with an argument computed from the inputs. Inside one torch operation,
+        such a value may become a Python number (``x[i]`` with a 0-dim tensor ``i``,
+        ``torch.arange(n)`` with a tensor ``n``: torch's C++ reads it with ``item()``, which
+        the trace freezes), or decide the shape of the result (``x[x > 0]``, ``nonzero``,
+        ``unique``), whose size later code may read as a number (``.numel()``, ``.shape``, a
+        ``view``) that the trace freezes too: a silently wrong potential at every other point
+        (``z[z.argmax()]`` sampled a fixed element's posterior)."""
+        if torch.Tag.data_dependent_output in func.tags:
             raise UntraceableModel(
                 f"the potential turns a value computed from the latent variables into a Python number inside "
                 f"`{func.overloadpacket.__name__}` (e.g. indexing with a 0-dim tensor `x[i]`, or `torch.arange(n)` "
@@ -185,8 +185,9 @@ class _AtenRecorder(TorchDispatchMode):
                 "outside the model, and put modules with dropout in eval mode",
                 eager_is_correct=False,
             )
-        if self._from_inputs is not None:
-            self._refuse_escapes(func, args, kwargs)
+        from_inputs = self._from_inputs is not None and self.computed_from_inputs(tree_flatten((args, kwargs))[0])
+        if from_inputs:
+            self._refuse_escapes(func, args)
         if func is aten.log_sigmoid_backward.default:
             shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
             if args[0].shape != shape:
@@ -202,8 +203,7 @@ class _AtenRecorder(TorchDispatchMode):
         # trace. Where it would fail later, the log-density is in practice NaN or infinite (a
         # log of a negative scale or probability...): a divergence, as the eager potential's
         # error would be.
-        if (self._from_inputs is not None and func is not aten._is_all_true.default
-                and self.computed_from_inputs(tree_flatten((args, kwargs))[0])):
+        if from_inputs and func is not aten._is_all_true.default:
             self._from_inputs.update(id(t) for t in tree_flatten(out)[0] if torch.is_tensor(t))
         node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
         if isinstance(out, torch.Tensor):
