@@ -36,6 +36,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("potential_fn.py", "E[s]"),
         ("bayesian_neural_network.py", "(             gap)"),
         ("stochastic_volatility.py", "of the true log-volatility path inside the 90% intervals"),
+        ("varying_slopes.py", "true group effects inside the 90% intervals"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
