@@ -286,7 +286,7 @@ class _SequentialSampler(_UnarySampler):
     Pyro's own ``_gen_samples``) without its per-draw logging: Pyro sends every draw's
     ``kernel.logging()`` through ``json.dumps`` and a ``logging`` handler to reach the progress
     bar, ~90 µs a draw, more than a whole fused HMC transition of a small model. Here the bar
-    counts draws and shows ``kernel.logging()`` at most twice a second."""
+    counts draws and shows ``kernel.logging()`` at most twice a second, and at the chain's end."""
 
     def run(self, *args, **kwargs):
         # each started chain's draws, warmup first, as flat unconstrained vectors, where the
@@ -322,6 +322,8 @@ class _SequentialSampler(_UnarySampler):
                                            chain if self.num_chains > 1 else None, *args, **kwargs):
                     yield sample, chain
             finally:
+                if not self.disable_progbar and bar.n:  # the chain's last values, not the last shown
+                    bar.set_postfix(self.kernel.logging(), refresh=False)
                 bar.close()
             self.kernel.cleanup()
 

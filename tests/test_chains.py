@@ -457,6 +457,8 @@ def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
     assert ours.diagnostics()["divergences"] == pyros.diagnostics()["divergences"]
     err = capsys.readouterr().err
     assert "50/50" in err and "step size=" in err and "acc. prob=" in err
+    final = ours.kernel.logging()  # the bar ends on the chain's last values (a short run shows them once before)
+    assert f"step size={final['step size']}, acc. prob={final['acc. prob']}" in err.split("\r")[-1]
 
     _, calls = run_with(MCMC, 2, chain_method="sequential", disable_progbar=True, warn_on_problems=False)
     assert calls[0][:2] == ("Warmup [0]", 0) and calls[20][:2] == ("Sample [0]", 0) and calls[-1][:2] == ("Sample [1]", 29)
