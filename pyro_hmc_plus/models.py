@@ -98,9 +98,57 @@ def ar1_loop(y):
         pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
 
 
+# British coal-mining disasters per year, 1851-1961 (Jarrett, Biometrika 66(1):191-193, 1979)
+COAL_MINING_DISASTERS = torch.tensor([
+    4, 5, 4, 0, 1, 4, 3, 4, 0, 6, 3, 3, 4, 0, 2, 6, 3, 3, 5, 4, 5, 3, 1, 4, 4, 1, 5, 5, 3, 4, 2, 5,
+    2, 2, 3, 4, 2, 1, 3, 2, 2, 1, 1, 1, 1, 3, 0, 0, 1, 0, 1, 1, 0, 0, 3, 1, 0, 3, 2, 2, 0, 1, 1, 1,
+    0, 1, 0, 1, 0, 0, 0, 2, 1, 0, 0, 0, 1, 1, 0, 2, 3, 3, 1, 1, 2, 1, 1, 1, 1, 2, 4, 2, 0, 0, 1, 4,
+    0, 0, 0, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 1,
+], dtype=torch.float)
+COAL_MINING_FIRST_YEAR = 1851
+
+
+def changepoint(counts):
+    """Counts per year ``counts (T,)`` at an ``early`` rate before a ``switchpoint`` year and
+    a ``late`` rate from it on, both rates ``Exponential(1)``; the switchpoint (the index of
+    the first late year, uniform over the ``T`` years) is a discrete latent site that Pyro's
+    potential sums out by enumeration, so NUTS samples only the two rates. Enumerated, its
+    value has shape ``(T, 1)``, left of the years' plate, and the comparison broadcasts to
+    ``(T, T)``: one row of rates per candidate year."""
+    T = counts.shape[-1]
+    early = pyro.sample("early", dist.Exponential(1.0))
+    late = pyro.sample("late", dist.Exponential(1.0))
+    switchpoint = pyro.sample("switchpoint", dist.Categorical(torch.ones(T) / T), infer={"enumerate": "parallel"})
+    with pyro.plate("years", T):
+        rate = torch.where(torch.arange(T) < switchpoint, early, late)
+        pyro.sample("disasters", dist.Poisson(rate), obs=counts)
+
+
+def changepoint_exact_posterior(counts):
+    """The exact posterior of :func:`changepoint`, by conjugacy: given the switchpoint ``s``,
+    each rate is ``Gamma(1 + its years' total count, 1 + its number of years)``, and
+    integrating the rates out gives ``p(s | counts)`` up to a constant. Returns ``(p_s (T,),
+    early_mean, early_sd, late_mean, late_sd)``, the rates' moments mixed over ``p_s``."""
+    counts = counts.double()
+    T = counts.shape[-1]
+    s = torch.arange(T, dtype=torch.float64)
+    early_total = torch.cat([counts.new_zeros(1), counts.cumsum(-1)[:-1]])  # years before s
+    late_total = counts.sum() - early_total
+    shape_e, rate_e, shape_l, rate_l = 1 + early_total, 1 + s, 1 + late_total, 1 + T - s
+    log_evidence = (torch.lgamma(shape_e) - shape_e * rate_e.log()) + (torch.lgamma(shape_l) - shape_l * rate_l.log())
+    p_s = torch.softmax(log_evidence, -1)
+
+    def mixed_moments(shape, rate):
+        mean = (p_s * shape / rate).sum()
+        second = (p_s * (shape / rate**2 + (shape / rate) ** 2)).sum()
+        return mean, (second - mean**2).sqrt()
+
+    return (p_s, *mixed_moments(shape_e, rate_e), *mixed_moments(shape_l, rate_l))
+
+
 def problem(name: str) -> Problem:
     """The named example problem: ``classic``, ``eight_schools``, ``eight_schools_centered``,
-    ``logistic``, ``hierarchical`` or ``gp``."""
+    ``logistic``, ``hierarchical``, ``gp`` or ``changepoint``."""
     g = torch.Generator().manual_seed(0)
     if name == "classic":
         sd = torch.linalg.inv(CLASSIC_PRECISION).diagonal().sqrt()
@@ -133,7 +181,13 @@ def problem(name: str) -> Problem:
         y = f + 0.1 * torch.randn(n, generator=g)
         return Problem(gp_regression, (x, y), f"GP regression, n={n}, {d} inputs (2 relevant)",
                        truth={"noise": torch.tensor(0.01)})
+    if name == "changepoint":
+        _, early_mean, early_sd, late_mean, late_sd = changepoint_exact_posterior(COAL_MINING_DISASTERS)
+        return Problem(changepoint, (COAL_MINING_DISASTERS,),
+                       "coal-mining disasters 1851-1961, a change of rate in an enumerated year",
+                       {"early": early_mean.float(), "late": late_mean.float()},
+                       {"early": early_sd.float(), "late": late_sd.float()})
     raise ValueError(f"unknown example problem {name!r}; choose from {PROBLEMS}")
 
 
-PROBLEMS = ("classic", "eight_schools", "eight_schools_centered", "logistic", "hierarchical", "gp")
+PROBLEMS = ("classic", "eight_schools", "eight_schools_centered", "logistic", "hierarchical", "gp", "changepoint")

@@ -17,9 +17,11 @@ import pytest
 import torch
 from pyro.infer import MCMC
 
+import pyro_hmc_plus
 from pyro_hmc_plus import NUTS, nuts
 from pyro_hmc_plus.hmc import HMCState
 from pyro_hmc_plus.metric import make_metric
+from pyro_hmc_plus.models import problem
 
 from helpers import Z, assert_mean, assert_variance
 from models import (
@@ -343,6 +345,22 @@ def test_constrained_sites():
     alpha = (1 + counts).numpy()
     assert np.allclose(p.sum(-1), 1.0, atol=1e-5)
     assert_mean(p, alpha / alpha.sum())
+
+
+def test_enumerated_discrete_site_matches_the_exact_posterior():
+    """A discrete latent site that Pyro's potential sums out by enumeration (the change-point
+    model of the coal-mining disasters, 111 candidate years): the two rates' exact posterior
+    is a mixture of Gammas over the switchpoint's exact posterior, for one chain in
+    ``pyro.infer.MCMC`` and for vectorized chains."""
+    prob = problem("changepoint")
+    single = run(NUTS(prob.model), 1000, 300, *prob.args).get_samples()
+    vectorized = pyro_hmc_plus.MCMC(NUTS(prob.model), num_samples=500, warmup_steps=300, num_chains=2,
+                                    disable_progbar=True)
+    vectorized.run(*prob.args)
+    for samples in (single, vectorized.get_samples()):
+        for site in ("early", "late"):
+            assert_mean(samples[site].numpy(), prob.exact_mean[site])
+            assert_variance(samples[site].numpy(), prob.exact_sd[site] ** 2)
 
 
 def assert_matches_reference(samples, reference):
