@@ -81,8 +81,8 @@ def main():
         mcmc = MCMC(NUTS(model), num_samples=args.num_samples, warmup_steps=args.num_samples, num_chains=4,
                     warn_on_problems=ordered)
         mcmc.run(x, ordered)
-        # the assignments are summed out, not sampled: no pointwise log likelihood to replay
-        runs[name] = idata = mcmc.to_inference_data(coords=coords, dims=dims, log_likelihood=False, deterministic=False)
+        # its log likelihood: each point's, with its assignment summed out (for az.loo)
+        runs[name] = idata = mcmc.to_inference_data(coords=coords, dims=dims)
         table = az.summary(idata, var_names=["weights", "locs", "scale"])[["mean", "sd", "ess_bulk", "r_hat"]]
         if ordered:
             table["true"] = [*TRUTH["weights"], *TRUTH["locs"], TRUTH["scale"]]

@@ -27,6 +27,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import pyro
 import torch
+from pyro.infer import config_enumerate
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
@@ -139,8 +140,11 @@ def to_inference_data(
     :param bool log_likelihood: pointwise log likelihood of every observed site (for
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
         ``pyro.infer.Predictive`` (draw by draw where the model does not broadcast over them).
-        Left out, with a warning, for a model with discrete sites summed out by enumeration
-        (their values are not in the draws), as are the ``pyro.deterministic`` sites.
+        Where the model's discrete sites are summed out by enumeration (their values are in
+        no draw), an observed site's log likelihood sums out the discrete sites of its own
+        plates (a mixture's assignments, one per observation), as the potential does; it is
+        left out, with a warning, where a discrete site is shared by several observations (a
+        change point), as are the ``pyro.deterministic`` sites of such a model.
     :param dict constant_data: extra data to store (``{name: array}``).
     :param bool deterministic: export the ``pyro.deterministic`` sites (below).
 
@@ -159,7 +163,8 @@ def to_inference_data(
     all_dims = {}
     observed, loglik, computed = {}, {}, {}
     if model is not None:
-        model = _starting_at(model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]})
+        raw_model, first_draw = model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]}
+        model = _starting_at(model, first_draw)
         trace = model_trace(model, args, kwargs)
         all_dims = plate_dims(trace)
         observed = {
@@ -171,18 +176,26 @@ def to_inference_data(
         shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items()
                   if deterministic and _is_deterministic(site)}
         marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
-        if marginalised and ((log_likelihood and observed) or shapes):
-            warnings.warn(
-                f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled: a "
-                "replay of the model at the draws would draw them from their prior, so the log_likelihood "
-                "group and the values of pyro.deterministic sites are left out (log_likelihood=False, "
-                "deterministic=False export without this warning)",
-                UserWarning,
-                stacklevel=2,
-            )
-        elif (log_likelihood and observed) or shapes:
-            loglik, computed = _replay(model, args, kwargs, mcmc.get_samples(), trace,
-                                       observed if log_likelihood else {}, shapes, num_chains, num_draws)
+        replayed, summed_out = (observed if log_likelihood else {}), None
+        if marginalised:
+            # the draws lack the discrete sites' values: a deterministic site takes them, and a log
+            # likelihood can sum out only those of its own plates (:func:`_summed_out_with`)
+            summed_out = _summed_out_with(raw_model, args, kwargs, first_draw, trace, replayed) if replayed else {}
+            left_out = list(shapes) + [name for name in replayed if name not in summed_out]
+            shapes, replayed = {}, {name: replayed[name] for name in summed_out}
+            if left_out:
+                warnings.warn(
+                    f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled, so "
+                    f"{left_out} are left out of the export: a pointwise log likelihood can sum out only the "
+                    "discrete sites of its own plates (a value per observation, as a mixture's assignments), "
+                    "and a pyro.deterministic site would take the discrete sites' values (log_likelihood=False, "
+                    "deterministic=False export without this warning)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        if replayed or shapes:
+            loglik, computed = _replay(model, args, kwargs, mcmc.get_samples(), trace, replayed, shapes,
+                                       num_chains, num_draws, summed_out, raw_model)
     all_dims.update(dims or {})
     groups = dict(posterior={**samples, **computed}, sample_stats=post_stats)
     if loglik:
@@ -218,14 +231,19 @@ def _from_dict(groups: dict, coords, dims, save_warmup: bool):
     return az.from_dict(**groups, coords=coords, dims=dims, save_warmup=save_warmup)
 
 
+def _plate_nesting(trace) -> int:
+    """How many plate dimensions the model's sites have at most (its ``max_plate_nesting``)."""
+    return max((-frame.dim for site in trace.nodes.values() if site["type"] == "sample"
+                for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
+
+
 def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace) -> Dict[str, torch.Tensor]:
     """Each site's draws ``(draws, *value shape)`` with a 1 inserted after the draws for
     every plate the site is outside of, so that the draws' dimension lies left of every
     plate of the model, where ``Predictive`` 's vectorised replay puts it. ``Predictive``
     pads by the number of dimensions of a value, taking them all as batch dimensions: a
     latent vector (``to_event(1)``) would land its draws in a plate's dimension."""
-    nesting = max((-frame.dim for site in trace.nodes.values() if site["type"] == "sample"
-                   for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
+    nesting = _plate_nesting(trace)
     shaped = {}
     for name, value in samples.items():
         site = trace.nodes.get(name)
@@ -239,7 +257,8 @@ def _is_deterministic(site) -> bool:
     return site["type"] == "sample" and bool(site["infer"].get("_deterministic"))
 
 
-def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes, num_chains, num_draws):
+def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes, num_chains, num_draws,
+            summed_out=None, raw_model=None):
     """The model replayed at every draw: ``({observed site: (chains, draws, *data shape)} log
     densities, {deterministic site: (chains, draws, *its shape)} values)``;
     ``deterministic_shapes`` gives each deterministic site's shape in ``trace`` (the model
@@ -251,11 +270,19 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
     that multiplies a scalar site's draws ``(draws, 1)`` into a vector site's ``(draws, 1,
     n)`` (``sigma * torch.cumsum(innovations, -1)``) computes each draw with every other
     draw's values, which raises no error where no shape is checked: it once gave a log
-    likelihood of shape ``(chains, draws, draws, n)``, and took draws-squared memory."""
+    likelihood of shape ``(chains, draws, draws, n)``, and took draws-squared memory.
+
+    ``summed_out`` (``{observed site: [discrete sites]}``, :func:`_summed_out_with`) is given
+    for a model with enumerated discrete sites: each observed site's log likelihood then sums
+    out its own discrete sites (:func:`_marginal_log_densities`, on ``raw_model``)."""
     num = num_chains * num_draws
     one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in observed}
 
     def one_by_one(draws: range):
+        if summed_out is not None:
+            each = [_marginal_log_densities(raw_model, args, kwargs, {k: v[i] for k, v in samples.items()}, trace,
+                                            summed_out, one_draw_shapes) for i in draws]
+            return {name: torch.cat([e[name] for e in each]) for name in observed}, {}
         replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
                     for i in draws]
         return ({name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed},
@@ -263,6 +290,8 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
 
     def vectorised(draws: range):
         at = {k: v[draws.start:draws.stop] for k, v in samples.items()}
+        if summed_out is not None:
+            return _marginal_log_densities(raw_model, args, kwargs, at, trace, summed_out, one_draw_shapes, len(draws)), {}
         with torch.no_grad():
             replayed = pyro.infer.Predictive(model, _shaped_for_plates(at, trace)).get_vectorized_trace(*args, **kwargs)
         return ({name: _log_density(replayed.nodes[name]).reshape((len(draws),) + shape)
@@ -292,6 +321,73 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
         return x.detach().reshape((num_chains, num_draws) + x.shape[1:]).cpu().numpy()
 
     return {k: by_chain(v) for k, v in log_p.items()}, {k: by_chain(v) for k, v in values.items()}
+
+
+def _enumerated_trace(model, args, kwargs, draws: Dict[str, torch.Tensor], trace, num: Optional[int] = None):
+    """``model`` run once at ``draws``, its discrete sites enumerated as Pyro's MCMC
+    enumerates them: every site's log density at every value of the discrete sites it
+    depends on. ``draws`` is one draw (the values as the sampler had them), or with ``num``,
+    that many draws ``(num, ...)`` each, run over a plate left of the model's plates and
+    enumerated further left (the model must broadcast over it)."""
+    free_dim = -_plate_nesting(trace) - 1  # the first dimension left of the model's plates
+    if num is None:
+        conditioned = pyro.poutine.condition(model, draws)
+    else:
+        draws_dim = free_dim
+
+        def over_draws(*a, **k):
+            with pyro.plate("_draws", num, dim=draws_dim):
+                return model(*a, **k)
+
+        conditioned, free_dim = pyro.poutine.condition(over_draws, _shaped_for_plates(draws, trace)), free_dim - 1
+    return model_trace(pyro.poutine.enum(config_enumerate(conditioned), first_available_dim=free_dim), args, kwargs)
+
+
+def _summed_out_with(model, args, kwargs, draw: Dict[str, torch.Tensor], trace, observed) -> Dict[str, List[str]]:
+    """For each observed site whose pointwise log likelihood can be had with the discrete
+    sites summed out, the discrete sites to sum out with it: ``log p(x_i | draw) = log sum_z
+    p(z_i | draw) p(x_i | z_i, draw)``, where each such site ``z`` has a value per element of
+    ``x`` (the same plates: a mixture's assignments), depends on no other discrete site, and
+    enters no other site's density. Where ``x`` depends on a discrete site shared by several
+    of its elements (a change point, a hidden Markov chain), its elements are not independent
+    given the draw, and no pointwise log likelihood is given; nor where the model cannot be
+    run enumerated at a draw (the export then says which sites it leaves out)."""
+    try:
+        enumerated = _enumerated_trace(model, args, kwargs, draw, trace)
+    except Exception:
+        return {}
+    sites = {name: site for name, site in enumerated.nodes.items()
+             if site["type"] == "sample" and not _is_deterministic(site)}  # a Delta: no density
+    enum_dims = {name: site["infer"]["_enumerate_dim"] for name, site in sites.items()
+                 if site["infer"].get("_enumerate_dim") is not None}
+
+    def plates(site):
+        return {frame.name for frame in site["cond_indep_stack"] if frame.vectorized}
+
+    deps = {}  # site -> the discrete sites its density depends on (other than itself)
+    for name, site in sites.items():
+        log_p = _log_density(site)
+        deps[name] = [z for z, d in enum_dims.items() if z != name and log_p.dim() >= -d and log_p.shape[d] > 1]
+    users = [z for zs in deps.values() for z in zs]
+    return {
+        name: deps[name] for name in observed
+        if all(plates(sites[z]) == plates(sites[name]) and not deps[z] and users.count(z) == 1 for z in deps[name])
+    }
+
+
+def _marginal_log_densities(model, args, kwargs, draws, trace, summed_out, one_draw_shapes, num=None):
+    """Each observed site's pointwise log likelihood ``(num, *shape)`` at ``draws`` (as
+    :func:`_enumerated_trace` takes them; one draw: ``(1, *shape)``), its own discrete sites
+    (``summed_out[site]``) summed out by log-sum-exp over their enumerated values."""
+    enumerated = _enumerated_trace(model, args, kwargs, draws, trace, num)
+    out = {}
+    for name, shape in one_draw_shapes.items():
+        log_p = _log_density(enumerated.nodes[name])
+        for z in summed_out[name]:
+            dim = enumerated.nodes[z]["infer"]["_enumerate_dim"]
+            log_p = torch.logsumexp(log_p + _log_density(enumerated.nodes[z]), dim, keepdim=True)
+        out[name] = log_p.reshape((num or 1,) + tuple(shape))
+    return out
 
 
 def _log_density(site) -> torch.Tensor:

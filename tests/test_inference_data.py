@@ -10,8 +10,10 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer.mcmc.util import initialize_model
+from pyro.ops.indexing import Vindex
 
 from pyro_hmc_plus import MCMC, NUTS, SamplingWarning, diagnose, to_inference_data
+from pyro_hmc_plus.models import problem
 
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, eight_schools, eight_schools_centered, gamma_poisson
 
@@ -323,12 +325,15 @@ def test_kernels_without_statistics_get_a_clear_error():
         to_inference_data(mcmc)
 
 
-def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed():
+@pytest.mark.parametrize("vectorised", [False, True])
+def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vectorised):
     """A mixture whose component labels are summed out by enumeration: the labels are in no
     draw, so the export's run of the model gives them a prior draw (it used to stop at
     Pyro's "Continuous inference cannot handle discrete sample site", and with it the run's
-    own check), and the log likelihood, which a replay would compute at prior labels, is
-    left out with a warning that says why."""
+    own check), and each observation's log likelihood sums its own label out, as the
+    potential did: ``log sum_k w_k N(x_i | loc_k, 1)``. Written ``locs[label]``, the model
+    does not broadcast over a dimension of draws and is replayed draw by draw; with
+    ``Vindex`` it is replayed over all draws at once."""
     data = torch.tensor([-2.3, -1.8, -2.1, -1.6, 2.2, 1.7, 2.4, 1.9])
 
     def mixture(data):
@@ -336,7 +341,8 @@ def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed():
         locs = pyro.sample("locs", dist.Normal(torch.tensor([-1.0, 1.0]), 5.0).to_event(1))
         with pyro.plate("data", len(data)):
             label = pyro.sample("label", dist.Categorical(weights), infer={"enumerate": "parallel"})
-            pyro.sample("obs", dist.Normal(locs[label], 1.0), obs=data)
+            loc = Vindex(locs)[..., label] if vectorised else locs[label]
+            pyro.sample("obs", dist.Normal(loc, 1.0), obs=data)
 
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(mixture, max_plate_nesting=1), num_samples=100, warmup_steps=100, num_chains=2,
@@ -345,11 +351,32 @@ def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed():
         warnings.simplefilter("always")
         mcmc.run(data)
     assert not [w for w in caught if "checking its draws failed" in str(w.message)]
-    with pytest.warns(UserWarning, match=r"discrete sites \['label'\] are summed out by enumeration"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
         idata = to_inference_data(mcmc)
     assert idata.posterior["locs"].shape == (2, 100, 2) and "label" not in idata.posterior
-    assert not hasattr(idata, "log_likelihood") and idata.observed_data["obs"].shape == (8,)
+    draws = mcmc.get_samples(group_by_chain=True)
+    marginal = torch.logsumexp(
+        draws["weights"].log().unsqueeze(-2) + dist.Normal(draws["locs"].unsqueeze(-2), 1.0).log_prob(data[:, None]), -1
+    )  # (chains, draws, observations)
+    assert np.allclose(idata.log_likelihood["obs"].values, marginal.numpy(), atol=1e-5)
+    assert idata.observed_data["obs"].shape == (8,)
+    assert diagnose(mcmc).num_draws == 100
+
+
+def test_a_discrete_site_shared_by_observations_leaves_their_log_likelihood_out():
+    """A change point's year is one discrete site for all the years' counts: given a draw of
+    the rates they are not independent, so there is no pointwise log likelihood to give; the
+    export says so and keeps the rest."""
+    prob = problem("changepoint")
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(prob.model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(*prob.args)
+    with pytest.warns(UserWarning, match=r"discrete sites \['switchpoint'\] are summed out by enumeration.*"
+                                         r"\['disasters'\] are left out"):
+        idata = to_inference_data(mcmc)
+    assert not hasattr(idata, "log_likelihood") and idata.posterior["early"].shape == (2, 50)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         to_inference_data(mcmc, log_likelihood=False)
-    assert diagnose(mcmc).num_draws == 100
