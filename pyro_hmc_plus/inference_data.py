@@ -144,7 +144,7 @@ def to_inference_data(
         no draw), an observed site's log likelihood sums out the discrete sites of its own
         plates (a mixture's assignments, one per observation), as the potential does; it is
         left out, with a warning, where a discrete site is shared by several observations (a
-        change point), as are the ``pyro.deterministic`` sites of such a model.
+        change point), as are ``pyro.deterministic`` values that depend on discrete sites.
     :param dict constant_data: extra data to store (``{name: array}``).
     :param bool deterministic: export the ``pyro.deterministic`` sites (below).
 
@@ -178,17 +178,17 @@ def to_inference_data(
         marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
         replayed, summed_out = (observed if log_likelihood else {}), None
         if marginalised:
-            # the draws lack the discrete sites' values: a deterministic site takes them, and a log
-            # likelihood can sum out only those of its own plates (:func:`_summed_out_with`)
-            summed_out = _summed_out_with(raw_model, args, kwargs, first_draw, trace, replayed) if replayed else {}
-            left_out = list(shapes) + [name for name in replayed if name not in summed_out]
-            shapes, replayed = {}, {name: replayed[name] for name in summed_out}
+            # the draws lack the discrete sites' values (:func:`_enumeration_plan`)
+            summed_out, kept = (_enumeration_plan(raw_model, args, kwargs, first_draw, trace, replayed, shapes)
+                                if replayed or shapes else ({}, []))
+            left_out = [name for name in shapes if name not in kept] + [name for name in replayed if name not in summed_out]
+            shapes, replayed = {name: shapes[name] for name in kept}, {name: replayed[name] for name in summed_out}
             if left_out:
                 warnings.warn(
                     f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled, so "
                     f"{left_out} are left out of the export: a pointwise log likelihood can sum out only the "
                     "discrete sites of its own plates (a value per observation, as a mixture's assignments), "
-                    "and a pyro.deterministic site would take the discrete sites' values (log_likelihood=False, "
+                    "and a pyro.deterministic value must not depend on them (log_likelihood=False, "
                     "deterministic=False export without this warning)",
                     UserWarning,
                     stacklevel=2,
@@ -272,17 +272,18 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
     draw's values, which raises no error where no shape is checked: it once gave a log
     likelihood of shape ``(chains, draws, draws, n)``, and took draws-squared memory.
 
-    ``summed_out`` (``{observed site: [discrete sites]}``, :func:`_summed_out_with`) is given
+    ``summed_out`` (``{observed site: [discrete sites]}``, :func:`_enumeration_plan`) is given
     for a model with enumerated discrete sites: each observed site's log likelihood then sums
-    out its own discrete sites (:func:`_marginal_log_densities`, on ``raw_model``)."""
+    out its own discrete sites (:func:`_enumerated_replay`, on ``raw_model``)."""
     num = num_chains * num_draws
     one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in observed}
 
     def one_by_one(draws: range):
         if summed_out is not None:
-            each = [_marginal_log_densities(raw_model, args, kwargs, {k: v[i] for k, v in samples.items()}, trace,
-                                            summed_out, one_draw_shapes) for i in draws]
-            return {name: torch.cat([e[name] for e in each]) for name in observed}, {}
+            each = [_enumerated_replay(raw_model, args, kwargs, {k: v[i] for k, v in samples.items()}, trace,
+                                       summed_out, one_draw_shapes, deterministic_shapes) for i in draws]
+            return tuple({name: torch.cat([e[part][name] for e in each]) for name in names}
+                         for part, names in enumerate((observed, deterministic_shapes)))
         replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
                     for i in draws]
         return ({name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed},
@@ -291,7 +292,8 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
     def vectorised(draws: range):
         at = {k: v[draws.start:draws.stop] for k, v in samples.items()}
         if summed_out is not None:
-            return _marginal_log_densities(raw_model, args, kwargs, at, trace, summed_out, one_draw_shapes, len(draws)), {}
+            return _enumerated_replay(raw_model, args, kwargs, at, trace, summed_out, one_draw_shapes,
+                                      deterministic_shapes, len(draws))
         with torch.no_grad():
             replayed = pyro.infer.Predictive(model, _shaped_for_plates(at, trace)).get_vectorized_trace(*args, **kwargs)
         return ({name: _log_density(replayed.nodes[name]).reshape((len(draws),) + shape)
@@ -343,51 +345,56 @@ def _enumerated_trace(model, args, kwargs, draws: Dict[str, torch.Tensor], trace
     return model_trace(pyro.poutine.enum(config_enumerate(conditioned), first_available_dim=free_dim), args, kwargs)
 
 
-def _summed_out_with(model, args, kwargs, draw: Dict[str, torch.Tensor], trace, observed) -> Dict[str, List[str]]:
-    """For each observed site whose pointwise log likelihood can be had with the discrete
-    sites summed out, the discrete sites to sum out with it: ``log p(x_i | draw) = log sum_z
-    p(z_i | draw) p(x_i | z_i, draw)``, where each such site ``z`` has a value per element of
-    ``x`` (the same plates: a mixture's assignments), depends on no other discrete site, and
-    enters no other site's density. Where ``x`` depends on a discrete site shared by several
-    of its elements (a change point, a hidden Markov chain), its elements are not independent
-    given the draw, and no pointwise log likelihood is given; nor where the model cannot be
-    run enumerated at a draw (the export then says which sites it leaves out)."""
+def _enumeration_plan(model, args, kwargs, draw: Dict[str, torch.Tensor], trace, observed, deterministic):
+    """What the export can give of a model whose discrete sites are summed out by enumeration
+    (their values are in no draw), from one enumerated run at ``draw``: ``(summed_out,
+    kept)``. ``summed_out`` maps each observed site whose pointwise log likelihood can be had
+    to the discrete sites to sum out with it, ``log p(x_i | draw) = log sum_z p(z_i | draw)
+    p(x_i | z_i, draw)``, where each such ``z`` has a value per element of ``x`` (the same
+    plates: a mixture's assignments), depends on no other discrete site, and enters no other
+    site's density. Where ``x`` depends on a discrete site shared by several of its elements
+    (a change point, a hidden Markov chain), its elements are not independent given the draw,
+    and no pointwise log likelihood is given. ``kept``: the ``deterministic`` sites whose
+    values depend on no discrete site. Nothing where the model cannot be run enumerated at a
+    draw (the export then says which sites it leaves out)."""
     try:
         enumerated = _enumerated_trace(model, args, kwargs, draw, trace)
     except Exception:
-        return {}
-    sites = {name: site for name, site in enumerated.nodes.items()
-             if site["type"] == "sample" and not _is_deterministic(site)}  # a Delta: no density
-    enum_dims = {name: site["infer"]["_enumerate_dim"] for name, site in sites.items()
-                 if site["infer"].get("_enumerate_dim") is not None}
+        return {}, []
+    enum_dims = {name: site["infer"]["_enumerate_dim"] for name, site in enumerated.nodes.items()
+                 if site["type"] == "sample" and site["infer"].get("_enumerate_dim") is not None}
 
-    def plates(site):
-        return {frame.name for frame in site["cond_indep_stack"] if frame.vectorized}
+    def discrete_in(x: torch.Tensor, but=None):
+        return [z for z, d in enum_dims.items() if z != but and x.dim() >= -d and x.shape[d] > 1]
 
-    deps = {}  # site -> the discrete sites its density depends on (other than itself)
-    for name, site in sites.items():
-        log_p = _log_density(site)
-        deps[name] = [z for z, d in enum_dims.items() if z != name and log_p.dim() >= -d and log_p.shape[d] > 1]
+    def plates(name):
+        return {frame.name for frame in enumerated.nodes[name]["cond_indep_stack"] if frame.vectorized}
+
+    deps = {name: discrete_in(_log_density(site), but=name) for name, site in enumerated.nodes.items()
+            if site["type"] == "sample" and not _is_deterministic(site)}  # (a deterministic site's Delta has no density)
     users = [z for zs in deps.values() for z in zs]
-    return {
+    summed_out = {
         name: deps[name] for name in observed
-        if all(plates(sites[z]) == plates(sites[name]) and not deps[z] and users.count(z) == 1 for z in deps[name])
+        if all(plates(z) == plates(name) and not deps[z] and users.count(z) == 1 for z in deps[name])
     }
+    return summed_out, [name for name in deterministic if not discrete_in(enumerated.nodes[name]["value"])]
 
 
-def _marginal_log_densities(model, args, kwargs, draws, trace, summed_out, one_draw_shapes, num=None):
-    """Each observed site's pointwise log likelihood ``(num, *shape)`` at ``draws`` (as
-    :func:`_enumerated_trace` takes them; one draw: ``(1, *shape)``), its own discrete sites
-    (``summed_out[site]``) summed out by log-sum-exp over their enumerated values."""
+def _enumerated_replay(model, args, kwargs, draws, trace, summed_out, one_draw_shapes, deterministic_shapes, num=None):
+    """``({observed site: (num, *shape)} log likelihoods, {deterministic site: (num, *its
+    shape)} values)`` at ``draws`` (as :func:`_enumerated_trace` takes them; one draw: ``num``
+    is 1), each observed site's own discrete sites (``summed_out[site]``) summed out by
+    log-sum-exp over their enumerated values."""
     enumerated = _enumerated_trace(model, args, kwargs, draws, trace, num)
-    out = {}
+    log_p = {}
     for name, shape in one_draw_shapes.items():
-        log_p = _log_density(enumerated.nodes[name])
+        lp = _log_density(enumerated.nodes[name])
         for z in summed_out[name]:
             dim = enumerated.nodes[z]["infer"]["_enumerate_dim"]
-            log_p = torch.logsumexp(log_p + _log_density(enumerated.nodes[z]), dim, keepdim=True)
-        out[name] = log_p.reshape((num or 1,) + tuple(shape))
-    return out
+            lp = torch.logsumexp(lp + _log_density(enumerated.nodes[z]), dim, keepdim=True)
+        log_p[name] = lp.reshape((num or 1,) + tuple(shape))
+    return log_p, {name: _at_every_draw(enumerated.nodes[name]["value"], shape, num or 1)
+                   for name, shape in deterministic_shapes.items()}
 
 
 def _log_density(site) -> torch.Tensor:

@@ -330,8 +330,9 @@ def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vector
     """A mixture whose component labels are summed out by enumeration: the labels are in no
     draw, so the export's run of the model gives them a prior draw (it used to stop at
     Pyro's "Continuous inference cannot handle discrete sample site", and with it the run's
-    own check), and each observation's log likelihood sums its own label out, as the
-    potential did: ``log sum_k w_k N(x_i | loc_k, 1)``. Written ``locs[label]``, the model
+    own check), each observation's log likelihood sums its own label out, as the potential
+    did: ``log sum_k w_k N(x_i | loc_k, 1)``, and a deterministic site without the label in
+    it is exported. Written ``locs[label]``, the model
     does not broadcast over a dimension of draws and is replayed draw by draw; with
     ``Vindex`` it is replayed over all draws at once."""
     data = torch.tensor([-2.3, -1.8, -2.1, -1.6, 2.2, 1.7, 2.4, 1.9])
@@ -339,6 +340,7 @@ def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vector
     def mixture(data):
         weights = pyro.sample("weights", dist.Dirichlet(torch.ones(2)))
         locs = pyro.sample("locs", dist.Normal(torch.tensor([-1.0, 1.0]), 5.0).to_event(1))
+        pyro.deterministic("gap", locs[..., 1] - locs[..., 0])  # no label in it: exported
         with pyro.plate("data", len(data)):
             label = pyro.sample("label", dist.Categorical(weights), infer={"enumerate": "parallel"})
             loc = Vindex(locs)[..., label] if vectorised else locs[label]
@@ -360,6 +362,7 @@ def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vector
         draws["weights"].log().unsqueeze(-2) + dist.Normal(draws["locs"].unsqueeze(-2), 1.0).log_prob(data[:, None]), -1
     )  # (chains, draws, observations)
     assert np.allclose(idata.log_likelihood["obs"].values, marginal.numpy(), atol=1e-5)
+    assert np.allclose(idata.posterior["gap"].values, (draws["locs"][..., 1] - draws["locs"][..., 0]).numpy())
     assert idata.observed_data["obs"].shape == (8,)
     assert diagnose(mcmc).num_draws == 100
 
