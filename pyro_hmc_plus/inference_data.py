@@ -20,6 +20,7 @@ Hamiltonian ``U + K`` at the draw.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -166,6 +167,9 @@ def to_inference_data(
         raw_model, first_draw = model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]}
         model = _starting_at(model, first_draw)
         trace = model_trace(model, args, kwargs)
+        # the model enumerated as the kernel ran it: left of the plates it was given (or has)
+        nesting = max(_plate_nesting(trace), getattr(mcmc.kernel, "_max_plate_nesting", None) or 0)
+        enumerated = functools.partial(_enumerated_trace, raw_model, args, kwargs, trace, nesting)
         all_dims = plate_dims(trace)
         observed = {
             name: site["value"].detach().cpu().numpy()
@@ -179,7 +183,7 @@ def to_inference_data(
         replayed, summed_out = (observed if log_likelihood else {}), None
         if marginalised:
             # the draws lack the discrete sites' values (:func:`_enumeration_plan`)
-            summed_out, kept = (_enumeration_plan(raw_model, args, kwargs, first_draw, trace, replayed, shapes)
+            summed_out, kept = (_enumeration_plan(enumerated, first_draw, replayed, shapes)
                                 if replayed or shapes else ({}, []))
             left_out = [name for name in shapes if name not in kept] + [name for name in replayed if name not in summed_out]
             shapes, replayed = {name: shapes[name] for name in kept}, {name: replayed[name] for name in summed_out}
@@ -195,7 +199,7 @@ def to_inference_data(
                 )
         if replayed or shapes:
             loglik, computed = _replay(model, args, kwargs, mcmc.get_samples(), trace, replayed, shapes,
-                                       num_chains, num_draws, summed_out, raw_model)
+                                       num_chains, num_draws, summed_out, enumerated)
     all_dims.update(dims or {})
     groups = dict(posterior={**samples, **computed}, sample_stats=post_stats)
     if loglik:
@@ -237,13 +241,14 @@ def _plate_nesting(trace) -> int:
                 for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
 
 
-def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace) -> Dict[str, torch.Tensor]:
+def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace, nesting: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Each site's draws ``(draws, *value shape)`` with a 1 inserted after the draws for
     every plate the site is outside of, so that the draws' dimension lies left of every
     plate of the model, where ``Predictive`` 's vectorised replay puts it. ``Predictive``
     pads by the number of dimensions of a value, taking them all as batch dimensions: a
-    latent vector (``to_event(1)``) would land its draws in a plate's dimension."""
-    nesting = _plate_nesting(trace)
+    latent vector (``to_event(1)``) would land its draws in a plate's dimension. ``nesting``:
+    the plate dimensions to leave room for, the model's own by default."""
+    nesting = _plate_nesting(trace) if nesting is None else nesting
     shaped = {}
     for name, value in samples.items():
         site = trace.nodes.get(name)
@@ -258,7 +263,7 @@ def _is_deterministic(site) -> bool:
 
 
 def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes, num_chains, num_draws,
-            summed_out=None, raw_model=None):
+            summed_out=None, enumerated=None):
     """The model replayed at every draw: ``({observed site: (chains, draws, *data shape)} log
     densities, {deterministic site: (chains, draws, *its shape)} values)``;
     ``deterministic_shapes`` gives each deterministic site's shape in ``trace`` (the model
@@ -274,14 +279,15 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
 
     ``summed_out`` (``{observed site: [discrete sites]}``, :func:`_enumeration_plan`) is given
     for a model with enumerated discrete sites: each observed site's log likelihood then sums
-    out its own discrete sites (:func:`_enumerated_replay`, on ``raw_model``)."""
+    out its own discrete sites (:func:`_enumerated_replay`; ``enumerated``: the model's
+    :func:`_enumerated_trace` at given draws)."""
     num = num_chains * num_draws
     one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in observed}
 
     def one_by_one(draws: range):
         if summed_out is not None:
-            each = [_enumerated_replay(raw_model, args, kwargs, {k: v[i] for k, v in samples.items()}, trace,
-                                       summed_out, one_draw_shapes, deterministic_shapes) for i in draws]
+            each = [_enumerated_replay(enumerated, {k: v[i] for k, v in samples.items()}, summed_out, one_draw_shapes,
+                                       deterministic_shapes) for i in draws]
             return tuple({name: torch.cat([e[part][name] for e in each]) for name in names}
                          for part, names in enumerate((observed, deterministic_shapes)))
         replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
@@ -292,8 +298,7 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
     def vectorised(draws: range):
         at = {k: v[draws.start:draws.stop] for k, v in samples.items()}
         if summed_out is not None:
-            return _enumerated_replay(raw_model, args, kwargs, at, trace, summed_out, one_draw_shapes,
-                                      deterministic_shapes, len(draws))
+            return _enumerated_replay(enumerated, at, summed_out, one_draw_shapes, deterministic_shapes, len(draws))
         with torch.no_grad():
             replayed = pyro.infer.Predictive(model, _shaped_for_plates(at, trace)).get_vectorized_trace(*args, **kwargs)
         return ({name: _log_density(replayed.nodes[name]).reshape((len(draws),) + shape)
@@ -325,13 +330,14 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
     return {k: by_chain(v) for k, v in log_p.items()}, {k: by_chain(v) for k, v in values.items()}
 
 
-def _enumerated_trace(model, args, kwargs, draws: Dict[str, torch.Tensor], trace, num: Optional[int] = None):
+def _enumerated_trace(model, args, kwargs, trace, nesting: int, draws: Dict[str, torch.Tensor],
+                      num: Optional[int] = None):
     """``model`` run once at ``draws``, its discrete sites enumerated as Pyro's MCMC
     enumerates them: every site's log density at every value of the discrete sites it
     depends on. ``draws`` is one draw (the values as the sampler had them), or with ``num``,
     that many draws ``(num, ...)`` each, run over a plate left of the model's plates and
     enumerated further left (the model must broadcast over it)."""
-    free_dim = -_plate_nesting(trace) - 1  # the first dimension left of the model's plates
+    free_dim = -nesting - 1  # the first dimension left of the model's plates (``nesting`` of them)
     if num is None:
         conditioned = pyro.poutine.condition(model, draws)
     else:
@@ -341,11 +347,11 @@ def _enumerated_trace(model, args, kwargs, draws: Dict[str, torch.Tensor], trace
             with pyro.plate("_draws", num, dim=draws_dim):
                 return model(*a, **k)
 
-        conditioned, free_dim = pyro.poutine.condition(over_draws, _shaped_for_plates(draws, trace)), free_dim - 1
+        conditioned, free_dim = pyro.poutine.condition(over_draws, _shaped_for_plates(draws, trace, nesting)), free_dim - 1
     return model_trace(pyro.poutine.enum(config_enumerate(conditioned), first_available_dim=free_dim), args, kwargs)
 
 
-def _enumeration_plan(model, args, kwargs, draw: Dict[str, torch.Tensor], trace, observed, deterministic):
+def _enumeration_plan(enumerated_trace, draw: Dict[str, torch.Tensor], observed, deterministic):
     """What the export can give of a model whose discrete sites are summed out by enumeration
     (their values are in no draw), from one enumerated run at ``draw``: ``(summed_out,
     kept)``. ``summed_out`` maps each observed site whose pointwise log likelihood can be had
@@ -358,7 +364,7 @@ def _enumeration_plan(model, args, kwargs, draw: Dict[str, torch.Tensor], trace,
     values depend on no discrete site. Nothing where the model cannot be run enumerated at a
     draw (the export then says which sites it leaves out)."""
     try:
-        enumerated = _enumerated_trace(model, args, kwargs, draw, trace)
+        enumerated = enumerated_trace(draw)
     except Exception:
         return {}, []
     enum_dims = {name: site["infer"]["_enumerate_dim"] for name, site in enumerated.nodes.items()
@@ -380,12 +386,12 @@ def _enumeration_plan(model, args, kwargs, draw: Dict[str, torch.Tensor], trace,
     return summed_out, [name for name in deterministic if not discrete_in(enumerated.nodes[name]["value"])]
 
 
-def _enumerated_replay(model, args, kwargs, draws, trace, summed_out, one_draw_shapes, deterministic_shapes, num=None):
+def _enumerated_replay(enumerated_trace, draws, summed_out, one_draw_shapes, deterministic_shapes, num=None):
     """``({observed site: (num, *shape)} log likelihoods, {deterministic site: (num, *its
     shape)} values)`` at ``draws`` (as :func:`_enumerated_trace` takes them; one draw: ``num``
     is 1), each observed site's own discrete sites (``summed_out[site]``) summed out by
     log-sum-exp over their enumerated values."""
-    enumerated = _enumerated_trace(model, args, kwargs, draws, trace, num)
+    enumerated = enumerated_trace(draws, num)
     log_p = {}
     for name, shape in one_draw_shapes.items():
         lp = _log_density(enumerated.nodes[name])
