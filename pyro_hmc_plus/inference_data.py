@@ -167,9 +167,6 @@ def to_inference_data(
         raw_model, first_draw = model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]}
         model = _starting_at(model, first_draw)
         trace = model_trace(model, args, kwargs)
-        # the model enumerated as the kernel ran it: left of the plates it was given (or has)
-        nesting = max(_plate_nesting(trace), getattr(mcmc.kernel, "_max_plate_nesting", None) or 0)
-        enumerated = functools.partial(_enumerated_trace, raw_model, args, kwargs, trace, nesting)
         all_dims = plate_dims(trace)
         observed = {
             name: site["value"].detach().cpu().numpy()
@@ -180,12 +177,16 @@ def to_inference_data(
         shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items()
                   if deterministic and _is_deterministic(site)}
         marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
-        replayed, summed_out = (observed if log_likelihood else {}), None
+        replayed, summed_out, enumerated = (observed if log_likelihood else {}), None, None
         if marginalised:
-            # the draws lack the discrete sites' values (:func:`_enumeration_plan`)
+            # the draws lack the discrete sites' values (:func:`_enumeration_plan`); the model is
+            # enumerated as the kernel ran it, left of the plates it was given (or has)
+            nesting = max(_plate_nesting(trace), getattr(mcmc.kernel, "_max_plate_nesting", None) or 0)
+            enumerated = functools.partial(_enumerated_trace, raw_model, args, kwargs, trace, nesting)
             summed_out, kept = (_enumeration_plan(enumerated, first_draw, replayed, shapes)
                                 if replayed or shapes else ({}, []))
-            left_out = [name for name in shapes if name not in kept] + [name for name in replayed if name not in summed_out]
+            left_out = [name for name in shapes if name not in kept]
+            left_out += [name for name in replayed if name not in summed_out]
             shapes, replayed = {name: shapes[name] for name in kept}, {name: replayed[name] for name in summed_out}
             if left_out:
                 warnings.warn(
@@ -241,7 +242,8 @@ def _plate_nesting(trace) -> int:
                 for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
 
 
-def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace, nesting: Optional[int] = None) -> Dict[str, torch.Tensor]:
+def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace,
+                       nesting: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Each site's draws ``(draws, *value shape)`` with a 1 inserted after the draws for
     every plate the site is outside of, so that the draws' dimension lies left of every
     plate of the model, where ``Predictive`` 's vectorised replay puts it. ``Predictive``
@@ -347,7 +349,8 @@ def _enumerated_trace(model, args, kwargs, trace, nesting: int, draws: Dict[str,
             with pyro.plate("_draws", num, dim=draws_dim):
                 return model(*a, **k)
 
-        conditioned, free_dim = pyro.poutine.condition(over_draws, _shaped_for_plates(draws, trace, nesting)), free_dim - 1
+        conditioned = pyro.poutine.condition(over_draws, _shaped_for_plates(draws, trace, nesting))
+        free_dim -= 1  # the draws' plate takes the first free dimension
     return model_trace(pyro.poutine.enum(config_enumerate(conditioned), first_available_dim=free_dim), args, kwargs)
 
 
@@ -377,7 +380,7 @@ def _enumeration_plan(enumerated_trace, draw: Dict[str, torch.Tensor], observed,
         return {frame.name for frame in enumerated.nodes[name]["cond_indep_stack"] if frame.vectorized}
 
     deps = {name: discrete_in(_log_density(site), but=name) for name, site in enumerated.nodes.items()
-            if site["type"] == "sample" and not _is_deterministic(site)}  # (a deterministic site's Delta has no density)
+            if site["type"] == "sample" and not _is_deterministic(site)}  # a deterministic Delta: no density
     users = [z for zs in deps.values() for z in zs]
     summed_out = {
         name: deps[name] for name in observed
