@@ -12,7 +12,7 @@ import torch
 from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.indexing import Vindex
 
-from pyro_hmc_plus import MCMC, NUTS, SamplingWarning, diagnose, to_inference_data
+from pyro_hmc_plus import MCMC, NUTS, SamplingWarning, diagnose, inference_data, to_inference_data
 from pyro_hmc_plus.models import problem
 
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, eight_schools, eight_schools_centered, gamma_poisson
@@ -326,15 +326,14 @@ def test_kernels_without_statistics_get_a_clear_error():
 
 
 @pytest.mark.parametrize("vectorised", [False, True])
-def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vectorised):
+def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vectorised, monkeypatch):
     """A mixture whose component labels are summed out by enumeration: the labels are in no
     draw, so the export's run of the model gives them a prior draw (it used to stop at
     Pyro's "Continuous inference cannot handle discrete sample site", and with it the run's
     own check), each observation's log likelihood sums its own label out, as the potential
     did: ``log sum_k w_k N(x_i | loc_k, 1)``, and a deterministic site without the label in
-    it is exported. Written ``locs[label]``, the model
-    does not broadcast over a dimension of draws and is replayed draw by draw; with
-    ``Vindex`` it is replayed over all draws at once."""
+    it is exported. Written ``locs[label]``, the model does not broadcast over a dimension of
+    draws and is replayed draw by draw; with ``Vindex`` it is replayed over all draws at once."""
     data = torch.tensor([-2.3, -1.8, -2.1, -1.6, 2.2, 1.7, 2.4, 1.9])
 
     def mixture(data):
@@ -353,9 +352,17 @@ def test_a_model_with_enumerated_discrete_sites_is_exported_and_diagnosed(vector
         warnings.simplefilter("always")
         mcmc.run(data)
     assert not [w for w in caught if "checking its draws failed" in str(w.message)]
+    replays, replay = [], inference_data._enumerated_replay
+
+    def counted(*args):  # records how many draws each enumerated replay took at once (None: one)
+        replays.append(args[5] if len(args) > 5 else None)
+        return replay(*args)
+
+    monkeypatch.setattr(inference_data, "_enumerated_replay", counted)
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         idata = to_inference_data(mcmc)
+    assert replays[-1] == (200 if vectorised else None)  # after the two-draw check
     assert idata.posterior["locs"].shape == (2, 100, 2) and "label" not in idata.posterior
     draws = mcmc.get_samples(group_by_chain=True)
     marginal = torch.logsumexp(
