@@ -51,7 +51,7 @@ def main():
     args = parser.parse_args()
     counts = COAL_MINING_DISASTERS
     years = torch.arange(len(counts)) + COAL_MINING_FIRST_YEAR
-    exact_years, early_mean, early_sd, late_mean, late_sd = changepoint_exact_posterior(counts)
+    exact_probs, early_mean, early_sd, late_mean, late_sd = changepoint_exact_posterior(counts)
 
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(changepoint), num_samples=args.num_samples, warmup_steps=args.num_samples, num_chains=4)
@@ -67,12 +67,12 @@ def main():
 
     draws = mcmc.get_samples()
     per_draw = switchpoint_probabilities(draws["early"].double(), draws["late"].double(), counts)
-    sampled_years = per_draw.mean(0)
+    from_draws = per_draw.mean(0)
     print("\nthe first year of the late rate, most probable years:")
     print("  year  from the draws  exact")
-    for i in exact_years.argsort(descending=True)[:6].tolist():
-        print(f"  {years[i].item()}  {sampled_years[i].item():14.3f}  {exact_years[i].item():.3f}")
-    total_variation = 0.5 * (sampled_years - exact_years).abs().sum().item()
+    for i in exact_probs.argsort(descending=True)[:6].tolist():
+        print(f"  {years[i].item()}  {from_draws[i].item():14.3f}  {exact_probs[i].item():.3f}")
+    total_variation = 0.5 * (from_draws - exact_probs).abs().sum().item()
     print(f"total variation distance between the two distributions over the {len(counts)} years: "
           f"{total_variation:.3f}")
 
@@ -92,8 +92,8 @@ def main():
         top.plot(years, rate, color="C0", label="posterior mean rate")
         top.set_ylabel("disasters per year")
         top.legend()
-        bottom.bar(years, sampled_years, color="C0", label="from the draws")
-        bottom.plot(years, exact_years, "k.", label="exact")
+        bottom.bar(years, from_draws, color="C0", label="from the draws")
+        bottom.plot(years, exact_probs, "k.", label="exact")
         bottom.set_ylabel("P(first late year)")
         bottom.set_xlabel("year")
         bottom.legend()
