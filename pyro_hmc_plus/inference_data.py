@@ -199,8 +199,11 @@ def to_inference_data(
                     stacklevel=2,
                 )
         if replayed or shapes:
-            loglik, computed = _replay(model, args, kwargs, mcmc.get_samples(), trace, replayed, shapes,
-                                       num_chains, num_draws, summed_out, enumerated)
+            one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in replayed}
+            replay_at = (functools.partial(_plain_replay, model, args, kwargs, trace, one_draw_shapes, shapes)
+                         if summed_out is None else
+                         functools.partial(_enumerated_replay, enumerated, summed_out, one_draw_shapes, shapes))
+            loglik, computed = _replay(replay_at, mcmc.get_samples(), num_chains, num_draws)
     all_dims.update(dims or {})
     groups = dict(posterior={**samples, **computed}, sample_stats=post_stats)
     if loglik:
@@ -264,49 +267,29 @@ def _is_deterministic(site) -> bool:
     return site["type"] == "sample" and bool(site["infer"].get("_deterministic"))
 
 
-def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes, num_chains, num_draws,
-            summed_out=None, enumerated=None):
+def _replay(replay_at, samples, num_chains, num_draws):
     """The model replayed at every draw: ``({observed site: (chains, draws, *data shape)} log
-    densities, {deterministic site: (chains, draws, *its shape)} values)``;
-    ``deterministic_shapes`` gives each deterministic site's shape in ``trace`` (the model
-    run once). Vectorised over the draws with ``pyro.infer.Predictive`` where the model
-    broadcasts over a leading dimension, else draw by draw, as ``Predictive`` does by
-    default (a ``PyroModule`` network's ``nn.Linear`` does not broadcast over draws).
+    densities, {deterministic site: (chains, draws, *its shape)} values)``. ``replay_at(draws,
+    num=None)`` replays it at one draw (``num`` None: the values as the sampler had them) or
+    at ``num`` draws at once (``(num, ...)`` each), and returns both dicts with a leading
+    dimension of draws: :func:`_plain_replay`, or :func:`_enumerated_replay` for a model
+    whose discrete sites are summed out. Over all draws at once where the model broadcasts
+    over a leading dimension, else draw by draw, as ``Predictive`` does by default (a
+    ``PyroModule`` network's ``nn.Linear`` does not broadcast over draws).
 
     Whether it broadcasts is checked on two draws, against their replay one by one: a model
     that multiplies a scalar site's draws ``(draws, 1)`` into a vector site's ``(draws, 1,
     n)`` (``sigma * torch.cumsum(innovations, -1)``) computes each draw with every other
     draw's values, which raises no error where no shape is checked: it once gave a log
-    likelihood of shape ``(chains, draws, draws, n)``, and took draws-squared memory.
-
-    ``summed_out`` (``{observed site: [discrete sites]}``, :func:`_enumeration_plan`) is given
-    for a model with enumerated discrete sites: each observed site's log likelihood then sums
-    out its own discrete sites (:func:`_enumerated_replay`; ``enumerated``: the model's
-    :func:`_enumerated_trace` at given draws)."""
+    likelihood of shape ``(chains, draws, draws, n)``, and took draws-squared memory."""
     num = num_chains * num_draws
-    one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in observed}
 
     def one_by_one(draws: range):
-        if summed_out is not None:
-            each = [_enumerated_replay(enumerated, {k: v[i] for k, v in samples.items()}, summed_out, one_draw_shapes,
-                                       deterministic_shapes) for i in draws]
-            return tuple({name: torch.cat([e[part][name] for e in each]) for name in names}
-                         for part, names in enumerate((observed, deterministic_shapes)))
-        replayed = [model_trace(pyro.poutine.condition(model, {k: v[i] for k, v in samples.items()}), args, kwargs)
-                    for i in draws]
-        return ({name: torch.stack([_log_density(t.nodes[name]) for t in replayed]) for name in observed},
-                {name: torch.stack([t.nodes[name]["value"] for t in replayed]) for name in deterministic_shapes})
+        each = [replay_at({k: v[i] for k, v in samples.items()}) for i in draws]
+        return tuple({name: torch.cat([e[part][name] for e in each]) for name in each[0][part]} for part in (0, 1))
 
     def vectorised(draws: range):
-        at = {k: v[draws.start:draws.stop] for k, v in samples.items()}
-        if summed_out is not None:
-            return _enumerated_replay(enumerated, at, summed_out, one_draw_shapes, deterministic_shapes, len(draws))
-        with torch.no_grad():
-            replayed = pyro.infer.Predictive(model, _shaped_for_plates(at, trace)).get_vectorized_trace(*args, **kwargs)
-        return ({name: _log_density(replayed.nodes[name]).reshape((len(draws),) + shape)
-                 for name, shape in one_draw_shapes.items()},
-                {name: _at_every_draw(replayed.nodes[name]["value"], shape, len(draws))
-                 for name, shape in deterministic_shapes.items()})
+        return replay_at({k: v[draws.start:draws.stop] for k, v in samples.items()}, len(draws))
 
     try:
         probe = range(min(num, 2))
@@ -330,6 +313,23 @@ def _replay(model, args, kwargs, samples, trace, observed, deterministic_shapes,
         return x.detach().reshape((num_chains, num_draws) + x.shape[1:]).cpu().numpy()
 
     return {k: by_chain(v) for k, v in log_p.items()}, {k: by_chain(v) for k, v in values.items()}
+
+
+def _plain_replay(model, args, kwargs, trace, one_draw_shapes, deterministic_shapes, draws, num=None):
+    """``({observed site: (num, *shape)} log likelihoods, {deterministic site: (num, *its
+    shape)} values)`` of ``model`` conditioned on ``draws``: one draw (``num`` None: a
+    leading dimension of 1), or ``num`` draws at once through ``pyro.infer.Predictive``'s
+    vectorised trace (the draws' dimension left of the model's plates)."""
+    if num is None:
+        replayed = model_trace(pyro.poutine.condition(model, draws), args, kwargs)
+    else:
+        with torch.no_grad():
+            predictive = pyro.infer.Predictive(model, _shaped_for_plates(draws, trace))
+            replayed = predictive.get_vectorized_trace(*args, **kwargs)
+    return ({name: _log_density(replayed.nodes[name]).reshape((num or 1,) + shape)
+             for name, shape in one_draw_shapes.items()},
+            {name: _at_every_draw(replayed.nodes[name]["value"], shape, num or 1)
+             for name, shape in deterministic_shapes.items()})
 
 
 def _enumerated_trace(model, args, kwargs, trace, nesting: int, draws: Dict[str, torch.Tensor],
@@ -389,7 +389,7 @@ def _enumeration_plan(enumerated_trace, draw: Dict[str, torch.Tensor], observed,
     return summed_out, [name for name in deterministic if not discrete_in(enumerated.nodes[name]["value"])]
 
 
-def _enumerated_replay(enumerated_trace, draws, summed_out, one_draw_shapes, deterministic_shapes, num=None):
+def _enumerated_replay(enumerated_trace, summed_out, one_draw_shapes, deterministic_shapes, draws, num=None):
     """``({observed site: (num, *shape)} log likelihoods, {deterministic site: (num, *its
     shape)} values)`` at ``draws`` (as :func:`_enumerated_trace` takes them; one draw: ``num``
     is 1), each observed site's own discrete sites (``summed_out[site]``) summed out by
