@@ -1032,9 +1032,14 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         terms = [(replacement.get(t, t), c) for t, c in form.coefficients.items()]
         if not terms:
             continue
+        # the first term is the scale the others' coefficients are written against (as
+        # ``alpha = c / scale``): one with coefficient 1 if any (no scaling op), never one of 0
         ones = [i for i, (_, c) in enumerate(terms) if bool((c == 1).all())]
-        if ones:
-            terms.insert(0, terms.pop(ones[0]))
+        nonzero = [i for i, (_, c) in enumerate(terms) if bool((c != 0).all())]
+        if len(terms) > 1 and not nonzero:
+            continue
+        if ones or nonzero:
+            terms.insert(0, terms.pop((ones or nonzero)[0]))
         scale = terms[0][1]
         needed = (len(terms) - 1) + int(not bool((scale == 1).all()) or not bool((form.constant == 0).all()))
         if needed >= form.ops:

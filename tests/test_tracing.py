@@ -611,6 +611,22 @@ def test_linear_chains_fold_into_fewer_ops_with_the_same_values():
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_a_term_multiplied_by_zero_is_not_the_scale_of_a_folded_sum():
+    """``x * 0 + 2 * y + 1``: the folded sum writes each term's coefficient relative to one
+    term's; a zero one would make the others infinite (the sum was NaN)."""
+
+    def fn(x, y):
+        return x * 0.0 + y * 2.0 + 1.0, (x * 0.0 - y * 0.0) * 3.0
+
+    x, y = torch.randn(3), torch.randn(3)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(x, y)
+    tracing.fold_linear_chains(gm)
+    for _ in range(3):
+        x, y = torch.randn(3), torch.randn(3)
+        for a, b in zip(gm(x, y), fn(x, y)):
+            assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
 def test_a_trace_that_disagrees_with_pyro_falls_back_to_eager():
     """A potential whose value depends on Python state the trace cannot see (here a call
     counter): the trace freezes it, the check against Pyro's potential catches it."""
