@@ -646,11 +646,15 @@ _IDENTITY_SCALAR = {aten.add.Tensor: 0, aten.sub.Tensor: 0, aten.mul.Tensor: 1, 
 def _constant_node(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor) -> torch.fx.Node:
     """A ``get_attr`` node (at the graph's insertion point) for ``value``, kept as a buffer of
     ``gm`` under the first free name ``{prefix}{i}``: the passes run more than once on a
-    graph, and a name used again would overwrite a constant still in use. Its
-    ``meta["val"]`` is the value, for the passes after."""
-    i = 0
+    graph, and a name used again would overwrite a constant still in use. The search for a
+    free name starts after the last one given (kept in ``gm.meta``), so that naming a
+    graph's thousands of constants is not quadratic (a model of 400 sample sites: ~4 s of
+    ``hasattr``). Its ``meta["val"]`` is the value, for the passes after."""
+    next_index = gm.meta.setdefault("next_constant_index", {})
+    i = next_index.get(prefix, 0)
     while hasattr(gm, f"{prefix}{i}"):
         i += 1
+    next_index[prefix] = i + 1
     gm.register_buffer(f"{prefix}{i}", value)
     node = gm.graph.get_attr(f"{prefix}{i}")
     node.meta["val"] = getattr(gm, f"{prefix}{i}")
@@ -963,14 +967,21 @@ def _linear_form(gm: torch.fx.GraphModule, node) -> Optional[_Linear]:
     return _Linear(coefficients, c, 1)
 
 
+# The most terms a merged form takes. Merging copies the inner form's terms, so a sum of n
+# terms built by n additions (a model with a sample site per row: its potential adds n log
+# densities) would cost O(n^2) tensor operations; capped, a long sum is rewritten in pieces
+# of this many terms, which costs about one operation more per piece.
+_MAX_LINEAR_TERMS = 32
+
+
 def _merged(outer: _Linear, inner_of):
     """``outer`` with every term that has a form in ``inner_of`` (and no other use) replaced
-    by that form, where the result keeps scalar coefficients whenever it has several terms;
-    and the terms so replaced."""
+    by that form, where the result keeps scalar coefficients whenever it has several terms
+    and has at most ``_MAX_LINEAR_TERMS`` terms; and the terms so replaced."""
     coefficients, constant, ops, replaced = dict(outer.coefficients), outer.constant, outer.ops, []
     for t, c in outer.coefficients.items():
         inner = inner_of(t)
-        if inner is None:
+        if inner is None or len(coefficients) + len(inner.coefficients) - 1 > _MAX_LINEAR_TERMS:
             continue
         trial = dict(coefficients)
         del trial[t]

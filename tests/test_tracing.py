@@ -611,6 +611,39 @@ def test_linear_chains_fold_into_fewer_ops_with_the_same_values():
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_a_long_sum_of_linear_terms_folds_in_pieces_with_the_same_value(monkeypatch):
+    """A potential that adds hundreds of log densities one by one (a sample site per row, in a
+    Python loop) is a chain of hundreds of additions; folding it into one form would copy the
+    form at every addition, quadratic in the number of sites. Forms stop growing at
+    ``_MAX_LINEAR_TERMS`` terms, and the pieces still fold."""
+    n = 3 * tracing._MAX_LINEAR_TERMS + 5
+
+    def fn(x):
+        total = x[0] * 0.25
+        for i in range(n):
+            total = total + ((x[i] - 1.0) / 2.0 - 0.5)  # three linear ops per term
+        return -total
+
+    largest = []
+    merged = tracing._merged
+
+    def recording_merged(outer, inner_of):
+        form, replaced = merged(outer, inner_of)
+        largest.append(len(form.coefficients))
+        return form, replaced
+
+    monkeypatch.setattr(tracing, "_merged", recording_merged)
+    x = torch.randn(n)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(x)
+    before = tracing.operations(gm.graph)
+    tracing.fold_linear_chains(gm)
+    assert max(largest) <= tracing._MAX_LINEAR_TERMS
+    assert tracing.operations(gm.graph) < before - 2 * n  # ~4 ops a term -> ~1 select and ~1 add
+    for _ in range(3):
+        x = torch.randn(n)
+        assert torch.allclose(gm(x), fn(x), rtol=1e-5, atol=1e-5)
+
+
 def test_a_term_multiplied_by_zero_is_not_the_scale_of_a_folded_sum():
     """``x * 0 + 2 * y + 1``: the folded sum writes each term's coefficient relative to one
     term's; a zero one would make the others infinite (the sum was NaN)."""
@@ -625,6 +658,17 @@ def test_a_term_multiplied_by_zero_is_not_the_scale_of_a_folded_sum():
         x, y = torch.randn(3), torch.randn(3)
         for a, b in zip(gm(x, y), fn(x, y)):
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_constants_get_fresh_names_when_a_pass_runs_again():
+    """The passes name the constants they make ``{prefix}{i}``; a second pass, or a name taken
+    by another, must never overwrite one still in use."""
+    gm = torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph())
+    first = [tracing._constant_node(gm, "_c_", torch.tensor(float(i))) for i in range(3)]
+    gm.register_buffer("_c_3", torch.tensor(30.0))  # taken by someone else
+    later = [tracing._constant_node(gm, "_c_", torch.tensor(float(i))) for i in range(4, 6)]
+    assert [n.target for n in first + later] == ["_c_0", "_c_1", "_c_2", "_c_4", "_c_5"]
+    assert [float(getattr(gm, f"_c_{i}")) for i in range(6)] == [0.0, 1.0, 2.0, 30.0, 4.0, 5.0]
 
 
 def test_a_trace_that_disagrees_with_pyro_falls_back_to_eager():
