@@ -82,7 +82,19 @@ def _starting_at(model, draw: Dict[str, torch.Tensor]):
     sites (here, and Pyro's ``Predictive`` before it conditions on the draws) then work for
     priors that cannot be sampled (``ImproperUniform``). Observed sites stay observed; a
     discrete site summed out by enumeration (never in the draws) takes a prior draw."""
-    return InitMessenger(init_to_value(values=draw, fallback=_prior_draw_if_discrete))(model)
+    return _ValuesOfTheDraw(init_to_value(values=draw, fallback=_prior_draw_if_discrete))(model)
+
+
+class _ValuesOfTheDraw(InitMessenger):
+    """Pyro's ``InitMessenger``, but not offered to ``poutine.reparam``: a reparametrizer
+    initialises the site it replaces with the init messengers it finds, then computes the new
+    site from it (``theta_decentered`` from ``theta``), where the export needs the site it
+    replaces computed from the new one, which is in the draw (``theta`` from
+    ``theta_decentered``); so ``theta`` is left to the reparametrizer, which records it as an
+    observed value."""
+
+    def _pyro_get_init_messengers(self, msg):
+        pass
 
 
 def _prior_draw_if_discrete(site):
@@ -107,7 +119,8 @@ def plate_dims(trace) -> Dict[str, List[str]]:
         if site["type"] != "sample" or site_is_subsample(site):
             continue
         shape = tuple(torch.as_tensor(site["value"]).shape)
-        batch_ndim = len(shape) - (0 if _is_deterministic(site) else len(site["fn"].event_shape))
+        # (a reparametrized site's Delta keeps the event dimensions of the site it replaces)
+        batch_ndim = len(shape) - (0 if site["infer"].get("_deterministic") else len(site["fn"].event_shape))
         names = [f"{name}_dim_{i}" for i in range(len(shape))]
         for frame in site["cond_indep_stack"]:
             if frame.dim is None or frame.vectorized is False:
@@ -263,8 +276,17 @@ def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace,
 
 
 def _is_deterministic(site) -> bool:
-    """A ``pyro.deterministic`` site (Pyro records it as an observed ``Delta``)."""
-    return site["type"] == "sample" and bool(site["infer"].get("_deterministic"))
+    """A value computed from the latent sites, which Pyro records as an observed ``Delta``
+    (masked out of the density): a ``pyro.deterministic`` site, or the original site of a
+    reparametrized one (``poutine.reparam``: with ``LocScaleReparam``, ``theta`` is computed
+    from the sampled ``theta_decentered``). It belongs with the posterior, not with the data
+    or the log likelihood."""
+    if site["type"] != "sample" or not site["is_observed"]:
+        return False
+    fn = site["fn"]
+    while isinstance(fn, (pyro.distributions.MaskedDistribution, pyro.distributions.Independent)):
+        fn = fn.base_dist
+    return bool(site["infer"].get("_deterministic")) or isinstance(fn, pyro.distributions.Delta)
 
 
 def _replay(replay_at, samples, num_chains, num_draws):

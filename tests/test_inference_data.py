@@ -97,6 +97,33 @@ def test_deterministic_sites_are_in_the_posterior_not_the_data():
         assert diagnose(mcmc).num_draws == 50  # R-hat of the constant "scale" (numpy's all-NaN warning)
 
 
+def test_a_reparametrized_site_is_in_the_posterior_computed_from_the_sampled_one():
+    """``poutine.reparam`` with ``LocScaleReparam`` samples ``theta_decentered`` and records
+    ``theta`` as an observed ``Delta``, as ``pyro.deterministic`` does: it was exported as data
+    with a log likelihood of zeros, and, where the export replays the model, computed from
+    the init strategy's values instead of from the draw (so it held noise around 0)."""
+    from pyro.infer.reparam import LocScaleReparam
+
+    def model(y, sigma):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+        with pyro.plate("schools", len(y)):
+            theta = pyro.sample("theta", dist.Normal(mu, tau))
+            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+    reparametrized = pyro.poutine.reparam(model, config={"theta": LocScaleReparam(0.0)})
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(reparametrized), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    idata = to_inference_data(mcmc)
+    post = idata.posterior
+    assert post["theta"].dims == ("chain", "draw", "schools")
+    np.testing.assert_allclose(post["theta"], post["mu"] + post["tau"] * post["theta_decentered"], rtol=1e-5)
+    assert list(idata.observed_data.data_vars) == ["y"]
+    assert list(idata.log_likelihood.data_vars) == ["y"]
+
+
 def test_a_model_that_does_not_broadcast_over_draws_is_replayed_draw_by_draw():
     """A ``PyroModule`` regression: ``nn.Linear`` does not broadcast over a leading dimension of
     draws, so the vectorised replay fails; the log likelihood and the deterministic site were
