@@ -191,6 +191,20 @@ def to_inference_data(
                   if deterministic and _is_deterministic(site)}
         marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
         replayed, summed_out, enumerated = (observed if log_likelihood else {}), None, None
+        unsaved = [name for name, site in trace.nodes.items()
+                   if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+                   and not _is_marginalised(site) and name not in by_chain]
+        if unsaved and (replayed or shapes):
+            # a replay would take these sites' values from their priors (Predictive's way), silently
+            warnings.warn(
+                f"the draws have no values of the latent sites {unsaved} (save_params kept {sorted(by_chain)}), "
+                f"so {sorted(replayed) + sorted(shapes)} are left out of the export: the log likelihood and "
+                "pyro.deterministic values are computed from every latent site (log_likelihood=False, "
+                "deterministic=False export without this warning)",
+                UserWarning,
+                stacklevel=2,
+            )
+            replayed, shapes = {}, {}
         if marginalised:
             # the draws lack the discrete sites' values (:func:`_enumeration_plan`); the model is
             # enumerated as the kernel ran it, left of the plates it was given (or has)

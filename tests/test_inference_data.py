@@ -124,6 +124,30 @@ def test_a_reparametrized_site_is_in_the_posterior_computed_from_the_sampled_one
     assert list(idata.log_likelihood.data_vars) == ["y"]
 
 
+def test_a_run_that_saved_some_sites_exports_no_values_computed_from_the_others():
+    """With ``save_params``, the draws lack the other latent sites; a replay of the model would
+    take them from their priors (``Predictive`` samples what it is not given) and give a log
+    likelihood and deterministic values of prior draws, with no sign of it."""
+
+    def model(y, sigma):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
+        with pyro.plate("schools", len(y)):
+            theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
+            theta = pyro.deterministic("theta", mu + tau * theta_raw)
+            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=20, warmup_steps=20, disable_progbar=True, save_params=["mu"],
+                warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    with pytest.warns(UserWarning, match=r"no values of the latent sites \['tau', 'theta_raw'\]"):
+        idata = to_inference_data(mcmc)
+    assert list(idata.posterior.data_vars) == ["mu"]
+    assert "log_likelihood" not in idata.groups()
+    assert list(idata.observed_data.data_vars) == ["y"]
+
+
 def test_a_model_that_does_not_broadcast_over_draws_is_replayed_draw_by_draw():
     """A ``PyroModule`` regression: ``nn.Linear`` does not broadcast over a leading dimension of
     draws, so the vectorised replay fails; the log likelihood and the deterministic site were
