@@ -1,7 +1,7 @@
 """pyro-hmc-plus: fast Hamiltonian Monte Carlo for Pyro.
 
 Swap ``from pyro.infer import NUTS`` (or ``HMC``) for ``from pyro_hmc_plus import NUTS``: the kernels take
-the same arguments and runs inside ``pyro.infer.MCMC``, but builds the gradient of the
+the same arguments and run inside ``pyro.infer.MCMC``, but build the gradient of the
 model's potential energy once (traced and compiled) instead of re-running the model under
 Pyro's tracing and autograd at every leapfrog step.
 """

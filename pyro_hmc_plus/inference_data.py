@@ -165,7 +165,10 @@ def to_inference_data(
     ``pyro.deterministic`` sites are in the posterior, their value at every draw from the same
     replay (as NumPyro's export and Stan's transformed parameters): Pyro records them as
     observed ``Delta`` sites, which would otherwise put one draw's value in ``observed_data``
-    and a log likelihood of zeros beside the data's (``az.loo`` then asks which to use).
+    and a log likelihood of zeros beside the data's (``az.loo`` then asks which to use). So
+    are the sites that ``poutine.reparam`` replaces, which Pyro records the same way. A run
+    with ``save_params`` lacks the other latent sites: the log likelihood and these values
+    are left out, with a warning.
     """
     by_chain = mcmc.get_samples(group_by_chain=True)
     samples = {k: v.detach().cpu().numpy() for k, v in by_chain.items()}
