@@ -769,10 +769,12 @@ def _is_log_of_exp(node, written: set) -> bool:
     the unconstrained one (every ``Normal(loc, sigma)`` whose ``sigma`` is a ``HalfNormal``,
     ``HalfCauchy``, ``LogNormal``, ... site takes ``log(sigma)``). The result is ``x`` itself
     (more exact, too: ``exp`` overflows and underflows where ``x`` does not). Not where ``x``
-    is in ``written`` (:func:`_written_storage`): ``x`` would be read later, maybe after a write."""
+    or ``exp(x)`` is in ``written`` (:func:`_written_storage`): ``x`` would be read later, maybe
+    after a write. (``exp(x)`` is looked up there, not searched through its users: a model of a
+    thousand observation sites takes the log of one scale a thousand times.)"""
     src = node.args[0] if node.target is aten.log.default and len(node.args) == 1 else None
     return (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target is aten.exp.default
-            and not _written_through(node) and not _written_through(src)
+            and not _written_through(node) and src not in written
             and isinstance(src.args[0], torch.fx.Node) and src.args[0] not in written
             and torch.is_tensor(_val(src.args[0])) and torch.is_tensor(_val(node))
             and _val(src.args[0]).dtype == _val(node).dtype and _val(src.args[0]).shape == _val(node).shape)
@@ -2037,10 +2039,18 @@ def _reorder(graph: torch.fx.Graph, rank: dict) -> bool:
     ``False``, and the graph unchanged, where that order does not exist."""
     nodes = list(graph.nodes)
 
-    def rank_of(node):  # the graph is not in order here: follow the users
-        if node not in rank:
-            rank[node] = min((rank_of(u) for u in node.users), default=len(nodes))
-        return rank[node]
+    def rank_of(node):
+        """The graph is not in order here: follow the users, depth first, with a stack of our
+        own (a sum over a thousand sites in a Python loop is a chain of a thousand adds)."""
+        stack = [node]
+        while stack:
+            top = stack[-1]
+            unranked = [u for u in top.users if u not in rank]
+            if unranked:
+                stack.extend(unranked)
+                continue
+            rank.setdefault(top, min((rank[u] for u in top.users), default=len(nodes)))
+            stack.pop()
 
     for node in nodes:
         rank_of(node)

@@ -660,6 +660,25 @@ def test_a_term_multiplied_by_zero_is_not_the_scale_of_a_folded_sum():
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_reordering_a_graph_deeper_than_pythons_recursion_limit():
+    """A model with a thousand observation sites in a Python loop (``for i in pyro.plate(...)``)
+    sums their log densities in a chain of a thousand adds; ordering the graph followed that
+    chain by recursion and raised ``RecursionError`` from inside the kernel's setup."""
+    import sys
+
+    depth = sys.getrecursionlimit() + 500
+
+    def fn(x):
+        for _ in range(depth):
+            x = x + 1.0
+        return x
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(fn)(torch.zeros(2))
+    assert tracing._reorder(gm.graph, {})
+    gm.recompile()
+    assert torch.equal(gm(torch.zeros(2)), torch.full((2,), float(depth)))
+
+
 def test_constants_get_fresh_names_when_a_pass_runs_again():
     """The passes name the constants they make ``{prefix}{i}``; a second pass, or a name taken
     by another, must never overwrite one still in use."""
