@@ -969,29 +969,37 @@ def _linear_form(gm: torch.fx.GraphModule, node) -> Optional[_Linear]:
     return _Linear(coefficients, c, 1)
 
 
-# The most terms a merged form takes. Merging copies the inner form's terms, so a sum of n
-# terms built by n additions (a model with a sample site per row: its potential adds n log
-# densities) would cost O(n^2) tensor operations; capped, a long sum is rewritten in pieces
-# of this many terms, which costs about one operation more per piece.
-_MAX_LINEAR_TERMS = 32
-
-
 def _merged(outer: _Linear, inner_of):
     """``outer`` with every term that has a form in ``inner_of`` (and no other use) replaced
-    by that form, where the result keeps scalar coefficients whenever it has several terms
-    and has at most ``_MAX_LINEAR_TERMS`` terms; and the terms so replaced."""
+    by that form, where the result keeps scalar coefficients whenever it has several terms;
+    and the terms so replaced.
+
+    In time proportional to the smaller side: a sum of n log densities added one by one (a
+    model with a sample site per row, in a Python loop) is n merges into a growing form,
+    which copying would make quadratic. The inner form is used here only (its node has no
+    other use), so its dictionary is taken over where it is the larger. A form of several
+    terms has scalar coefficients (this function allows no other), so whether the result's
+    are scalars is known from the inner form's size, or its one coefficient."""
     coefficients, constant, ops, replaced = dict(outer.coefficients), outer.constant, outer.ops, []
     for t, c in outer.coefficients.items():
         inner = inner_of(t)
-        if inner is None or len(coefficients) + len(inner.coefficients) - 1 > _MAX_LINEAR_TERMS:
+        if inner is None:
             continue
-        trial = dict(coefficients)
-        del trial[t]
-        for u, cu in inner.coefficients.items():
-            trial[u] = trial.get(u, 0 * _ONE) + c * cu
-        if len(trial) > 1 and any(x.numel() != 1 for x in trial.values()):
+        terms = inner.coefficients
+        others = len(coefficients) - 1  # coefficients' terms besides t: scalars, if several
+        one_term = len(terms) <= 1 and (others == 0 or (others == 1 and len(terms) == 1 and any(
+            u is not t and u in terms for u in coefficients)))
+        scalar = c.numel() == 1 and (len(terms) > 1 or all(cu.numel() == 1 for cu in terms.values()))
+        if not (one_term or scalar):
             continue
-        coefficients, constant, ops = trial, constant + c * inner.constant, ops + inner.ops
+        del coefficients[t]
+        if c.numel() == 1 and c.item() == 1 and len(terms) > len(coefficients):
+            base, addend = terms, coefficients
+        else:
+            base, addend = coefficients, {u: c * cu for u, cu in terms.items()}
+        for u, cu in addend.items():
+            base[u] = base[u] + cu if u in base else cu
+        coefficients, constant, ops = base, constant + c * inner.constant, ops + inner.ops
         replaced.append(t)
     return _Linear(coefficients, constant, ops), replaced
 
