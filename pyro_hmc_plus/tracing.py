@@ -1757,10 +1757,12 @@ def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
     # a node that is a row of a tensor -> (the tensor, index); not of one written in place,
     # whose rows are worth reading only where they were read
     row_of = _rows(graph, {copies[node] for node in written})
+    concatenated = {}
     for members in groups.values():
         members = [copies[m] for m in members]
         with graph.inserting_before(members[0]):
-            args = [_stacked_operand(graph, [m.args[i] for m in members], row_of) for i in range(len(members[0].args))]
+            args = [_stacked_operand(graph, [m.args[i] for m in members], row_of, concatenated)
+                    for i in range(len(members[0].args))]
             # numbers are equal in a group (its key); tensor operands may all be one node
             shared = all(not isinstance(a, torch.fx.Node) or all(m.args[i] is a for m in members)
                          for i, a in enumerate(args))
@@ -1785,6 +1787,11 @@ def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
     _concatenate_rows_at_once(graph, row_of)
     if not _reorder(graph, rank):
         return
+    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    # again, now that the rows that no one reads are gone: where a group was the steps of
+    # several sums at once (a loop of sites: the potential's and its gradient's), each step
+    # of the vectorized sum had them as users, so it was no chain of adds used once
+    _sum_rows_at_once(graph, row_of)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
     if operations(graph) >= operations(gm.graph):
         return
@@ -1828,26 +1835,52 @@ def _sum_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
                     pending.append(a)
                 else:
                     terms.append(a)
-        by_rows: Dict[torch.fx.Node, list] = {}
+        by_rows: Dict[torch.fx.Node, list] = {}  # tensor -> [(term, its rows' indices)]
         for t in terms:
-            if isinstance(t, torch.fx.Node) and t in row_of and _val(t).shape == _val(root).shape:
-                by_rows.setdefault(row_of[t][0], []).append(t)
+            picked = _rows_picked(t, row_of)
+            if picked is not None and _val(t).shape == _val(root).shape:
+                by_rows.setdefault(picked[0], []).append((t, picked[1]))
         by_rows = {rows: ts for rows, ts in by_rows.items() if len(ts) >= 2}
         if not by_rows:
             continue
         with graph.inserting_before(root):
             kept = []  # the sums first: a term may be a number, which cannot start an add
             for rows, ts in by_rows.items():
-                picked = _pick_rows(graph, rows, sorted(row_of[t][1] for t in ts))
+                ts.sort(key=lambda term: term[1])
+                picked = _pick_rows(graph, rows, [i for _, indices in ts for i in indices])
+                if _val(picked).shape[0] != len(ts):  # blocks of rows: one block per term
+                    shape = [len(ts)] + list(_val(root).shape)
+                    picked = graph.call_function(aten.view.default, (picked, shape))
+                    picked.meta["val"] = _val(picked.args[0]).view(shape)
                 total = graph.call_function(aten.sum.dim_IntList, (picked, [0]))
                 total.meta["val"] = _val(picked).sum(0)
                 kept.append(total)
-            kept += [t for t in terms if not any(t in ts for ts in by_rows.values())]
+            summed = {t for ts in by_rows.values() for t, _ in ts}
+            kept += [t for t in terms if t not in summed]
             acc = kept[0]
             for t in kept[1:]:
                 acc = graph.call_function(aten.add.Tensor, (acc, t))
                 acc.meta["val"] = _val(root)
         root.replace_all_uses_with(acc)
+
+
+def _rows_picked(term, row_of: dict):
+    """``(tensor, [indices])`` where ``term`` is rows of ``tensor``: a row of a vectorized
+    result (``row_of``), or a block of rows picked by an ``index_select`` of a constant index
+    along the first dimension (a group's operand where the ops vectorized were steps of
+    several sums at once: the potential's and its gradient's over a loop of sites); else
+    ``None``."""
+    if not isinstance(term, torch.fx.Node):
+        return None
+    if term in row_of:
+        return row_of[term][0], [row_of[term][1]]
+    if term.target is aten.index_select.default and term.args[1] == 0 and not term.kwargs:
+        index = term.args[2]
+        if isinstance(index, torch.fx.Node) and index.op == "get_attr" and isinstance(term.args[0], torch.fx.Node):
+            value = getattr(index.graph.owning_module, index.target)
+            if torch.is_tensor(value) and value.dim() == 1:
+                return term.args[0], value.tolist()
+    return None
 
 
 def _concatenate_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
@@ -1946,10 +1979,11 @@ def _alike_key(node):
     return (node.target, tuple(out.shape), out.dtype, tuple(pattern), kwargs)
 
 
-def _stacked_operand(graph, operands: list, row_of: dict):
+def _stacked_operand(graph, operands: list, row_of: dict, concatenated: dict):
     """One operand of a group computed at once: the node all members share, else the
     members' operands as the rows of one tensor: picked from the tensors they are rows of
-    (concatenated first where several) by one ``index_select``, or else stacked."""
+    (concatenated first where several, once for all groups that pick from the same ones:
+    ``concatenated``, ``{sources: their cat}``) by one ``index_select``, or else stacked."""
     first = operands[0]
     if not isinstance(first, torch.fx.Node) or all(o is first for o in operands):
         return first
@@ -1969,8 +2003,10 @@ def _stacked_operand(graph, operands: list, row_of: dict):
     indices = [offsets[row_of[o][0]] + row_of[o][1] for o in operands]
     rows = sources[0]
     if len(sources) > 1:
-        rows = graph.call_function(aten.cat.default, (sources,))
-        rows.meta["val"] = torch.cat([_val(s) for s in sources])
+        rows = concatenated.get(tuple(sources))
+        if rows is None:
+            rows = concatenated[tuple(sources)] = graph.call_function(aten.cat.default, (sources,))
+            rows.meta["val"] = torch.cat([_val(s) for s in sources])
     return _pick_rows(graph, rows, indices)
 
 

@@ -460,6 +460,35 @@ def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(
             assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
+def _sequential_plate_regression(x, y):
+    """A linear regression with one observation site per row, in a sequential plate (as in
+    Pyro's introductory tutorials)."""
+    a = pyro.sample("a", dist.Normal(0.0, 10.0))
+    b = pyro.sample("b", dist.Normal(0.0, 10.0))
+    s = pyro.sample("s", dist.HalfNormal(2.0))
+    for i in pyro.plate("data", len(y)):
+        pyro.sample(f"obs_{i}", dist.Normal(a + b * x[i], s), obs=y[i])
+
+
+def test_a_sequential_plate_costs_the_same_operations_for_any_number_of_observations():
+    """The vectorized steps of the potential's sum over the observations and of its
+    gradient's (one group of four sums, each step's terms picked from one concatenation)
+    become one sum each, instead of a chain of an ``index_select`` and an add per
+    observation: 2,075 operations for 1,000 observations, now 87 for any number."""
+    ops = []
+    for n in (20, 60):
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(n, generator=gen)
+        y = 1.0 + 2.0 * x + 0.5 * torch.randn(n, generator=gen)
+        flat = from_model(_sequential_plate_regression, (x, y))
+        engine = GradientEngine(flat)
+        ops.append(engine.gradient_ops)
+        for z in flat.initial_z + torch.randn(3, flat.dim, generator=gen):
+            (U, g), (U_ref, g_ref) = engine.value_and_grad(z), flat.value_and_grad(z)
+            assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-4)
+    assert ops[0] == ops[1] < 100
+
+
 def test_vectorizing_is_kept_only_where_the_finished_graph_is_smaller(monkeypatch):
     """A round of vectorize_alike_ops counts its own savings, but the passes after it may
     then fold less: on the recursion, grouping by depth alone gave 1,201 operations where
