@@ -1876,8 +1876,8 @@ def _sum_rows_at_once(graph: torch.fx.Graph, row_of: dict) -> None:
             for rows, ts in by_rows.items():
                 ts.sort(key=lambda term: term[1])
                 picked = _pick_rows(graph, rows, [i for _, indices in ts for i in indices])
-                if _val(picked).shape[0] != len(ts):  # blocks of rows: one block per term
-                    shape = [len(ts)] + list(_val(root).shape)
+                shape = [len(ts)] + list(_val(root).shape)
+                if list(_val(picked).shape) != shape:  # blocks of rows: one block per term
                     picked = graph.call_function(aten.view.default, (picked, shape))
                     picked.meta["val"] = _val(picked.args[0]).view(shape)
                 total = graph.call_function(aten.sum.dim_IntList, (picked, [0]))
@@ -1905,7 +1905,7 @@ def _rows_picked(term, row_of: dict):
     if term.target is aten.index_select.default and term.args[1] == 0 and not term.kwargs:
         index = term.args[2]
         if isinstance(index, torch.fx.Node) and index.op == "get_attr" and isinstance(term.args[0], torch.fx.Node):
-            value = getattr(index.graph.owning_module, index.target)
+            value = getattr(index.graph.owning_module, index.target, None)
             if torch.is_tensor(value) and value.dim() == 1:
                 return term.args[0], value.tolist()
     return None

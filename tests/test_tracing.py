@@ -489,6 +489,29 @@ def test_a_sequential_plate_costs_the_same_operations_for_any_number_of_observat
     assert ops[0] == ops[1] < 100
 
 
+def test_a_sum_of_blocks_of_rows_of_one_tensor_is_one_sum():
+    """Terms ``x.index_select(0, idx_k)`` added up, each a block of the same number of rows
+    (one row: shape ``(1, 2)``; two rows: ``(2, 2)``), become one ``index_select`` of all their
+    rows, a view with one block per term and one sum, of the terms' shape."""
+    singles = [torch.tensor([i]) for i in (0, 2, 3)]
+    pairs = [torch.tensor(p) for p in ((0, 1), (4, 2), (3, 3))]
+
+    def fn(x):
+        one = x.index_select(0, singles[0]) + x.index_select(0, singles[1]) + x.index_select(0, singles[2])
+        two = x.index_select(0, pairs[0]) + x.index_select(0, pairs[1]) + x.index_select(0, pairs[2])
+        return one, two
+
+    gm = tracing._record(fn, (torch.randn(5, 2),))  # values, not make_fx's fake tensors, in the nodes
+    before = tracing.operations(gm.graph)
+    tracing._sum_rows_at_once(gm.graph, {})
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    assert tracing.operations(gm.graph) == before - 4  # 5 ops -> 3 (index_select, view, sum), twice
+    x = torch.randn(5, 2)
+    for a, b in zip(gm(x), fn(x)):
+        assert a.shape == b.shape and torch.allclose(a, b)
+
+
 def test_vectorizing_is_kept_only_where_the_finished_graph_is_smaller(monkeypatch):
     """A round of vectorize_alike_ops counts its own savings, but the passes after it may
     then fold less: on the recursion, grouping by depth alone gave 1,201 operations where
