@@ -13,7 +13,7 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.indexing import Vindex
 
 from pyro_hmc_plus import MCMC, NUTS, SamplingWarning, diagnose, inference_data, to_inference_data
-from pyro_hmc_plus.models import problem
+from pyro_hmc_plus.models import eight_schools_non_centered, problem
 
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, eight_schools, eight_schools_centered, gamma_poisson
 
@@ -59,6 +59,15 @@ def test_export_has_every_group_with_shapes_dtypes_and_plate_dims(schools_run):
     assert renamed.posterior["theta_raw"].dims == ("chain", "draw", "school")
 
 
+def _schools_exported(model):
+    """``(mcmc, its export)``: two short vectorized chains of an eight-schools ``model``."""
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    return mcmc, to_inference_data(mcmc)
+
+
 def test_deterministic_sites_are_in_the_posterior_not_the_data():
     """``pyro.deterministic`` is an observed ``Delta`` site to Pyro: it was exported as
     observed data (one draw's value) with a log likelihood of zeros, so ``az.loo(idata)``
@@ -75,11 +84,7 @@ def test_deterministic_sites_are_in_the_posterior_not_the_data():
             theta = pyro.deterministic("theta", mu + tau * theta_raw)
             pyro.sample("y", dist.Normal(theta, sigma), obs=y)
 
-    pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
-                warn_on_problems=False)
-    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
-    idata = to_inference_data(mcmc)
+    mcmc, idata = _schools_exported(model)
     post = idata.posterior
     assert post["theta"].dims == ("chain", "draw", "schools")
     np.testing.assert_allclose(post["theta"], post["mu"] + post["tau"] * post["theta_raw"], rtol=1e-5)
@@ -104,19 +109,8 @@ def test_a_reparametrized_site_is_in_the_posterior_computed_from_the_sampled_one
     the init strategy's values instead of from the draw (so it held noise around 0)."""
     from pyro.infer.reparam import LocScaleReparam
 
-    def model(y, sigma):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-        with pyro.plate("schools", len(y)):
-            theta = pyro.sample("theta", dist.Normal(mu, tau))
-            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
-
-    reparametrized = pyro.poutine.reparam(model, config={"theta": LocScaleReparam(0.0)})
-    pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(reparametrized), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
-                warn_on_problems=False)
-    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
-    idata = to_inference_data(mcmc)
+    reparametrized = pyro.poutine.reparam(eight_schools_centered, config={"theta": LocScaleReparam(0.0)})
+    _, idata = _schools_exported(reparametrized)
     post = idata.posterior
     assert post["theta"].dims == ("chain", "draw", "schools")
     np.testing.assert_allclose(post["theta"], post["mu"] + post["tau"] * post["theta_decentered"], rtol=1e-5)
@@ -128,17 +122,8 @@ def test_a_run_that_saved_some_sites_exports_no_values_computed_from_the_others(
     """With ``save_params``, the draws lack the other latent sites; a replay of the model would
     take them from their priors (``Predictive`` samples what it is not given) and give a log
     likelihood and deterministic values of prior draws, with no sign of it."""
-
-    def model(y, sigma):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        tau = pyro.sample("tau", dist.HalfCauchy(5.0))
-        with pyro.plate("schools", len(y)):
-            theta_raw = pyro.sample("theta_raw", dist.Normal(0.0, 1.0))
-            theta = pyro.deterministic("theta", mu + tau * theta_raw)
-            pyro.sample("y", dist.Normal(theta, sigma), obs=y)
-
     pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(model), num_samples=20, warmup_steps=20, disable_progbar=True, save_params=["mu"],
+    mcmc = MCMC(NUTS(eight_schools_non_centered), num_samples=20, warmup_steps=20, disable_progbar=True, save_params=["mu"],
                 warn_on_problems=False)
     mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
     with pytest.warns(UserWarning, match=r"no values of the latent sites \['tau', 'theta_raw'\]"):
