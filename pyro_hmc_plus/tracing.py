@@ -265,8 +265,10 @@ def _shape_deciding_arguments(func, args) -> list:
     return [args[0]]
 
 
-def _record(fn, example_inputs, check_escapes: bool = False) -> torch.fx.GraphModule:
-    """``fn(*example_inputs)`` run once under :class:`_AtenRecorder`: a graph of its aten ops."""
+def _record(fn, example_inputs, check_escapes: bool = False,
+            module_class=torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``fn(*example_inputs)`` run once under :class:`_AtenRecorder`: a graph of its aten ops,
+    in a ``module_class`` (:func:`trace` takes a :class:`_GraphInProgress`)."""
     graph, root = torch.fx.Graph(), torch.nn.Module()
     recorder = _AtenRecorder(graph, root, check_escapes)
     for i, x in enumerate(example_inputs):
@@ -274,7 +276,19 @@ def _record(fn, example_inputs, check_escapes: bool = False) -> torch.fx.GraphMo
     with recorder, LatentTaint(recorder) if check_escapes else contextlib.nullcontext():
         out = fn(*example_inputs)
     graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
-    return torch.fx.GraphModule(root, graph)
+    return module_class(root, graph)
+
+
+class _GraphInProgress(torch.fx.GraphModule):
+    """A graph module while :func:`trace`'s passes rewrite its graph: no Python code is
+    generated for each new graph (``recompile`` does nothing). For a graph of tens of
+    thousands of operations (a model of a thousand sites in a Python loop) generating it
+    takes ~0.5 s, and it happened a dozen times a trace, at every copy and every round of the
+    vectorizer, for code that was never run; the finished graph becomes a plain
+    ``GraphModule`` once."""
+
+    def recompile(self):
+        return None
 
 
 def _shared_fake_mode():
@@ -311,8 +325,9 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         if fake:
             with _shared_fake_mode():
                 gm = make_fx(fn, tracing_mode="fake", _error_on_data_dependent_ops=False)(*example_inputs)
+            gm = _GraphInProgress(gm, gm.graph)
         else:
-            gm = _record(fn, example_inputs, check_escapes)
+            gm = _record(fn, example_inputs, check_escapes, _GraphInProgress)
     except UntraceableModel as e:
         while isinstance(e.__cause__, UntraceableModel):  # Pyro re-raises an error from inside a
             e = e.__cause__  # model with its trace's shapes appended: the first one says why
@@ -343,7 +358,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         return candidate
 
     def copied(candidate):
-        return torch.fx.GraphModule(candidate, copy.deepcopy(candidate.graph))
+        return _GraphInProgress(candidate, copy.deepcopy(candidate.graph))
 
     def fewest(*candidates):
         return min(candidates, key=lambda c: operations(c.graph))  # the first of equals
@@ -355,7 +370,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     if _has_scalars_to_take_out(gm.graph):  # (copying and finishing a 1,800-op graph takes ~0.3 s)
         gm = fewest(gm, finished(copied(gm), (pull_scalars_out_of_sums, gather_scalar_factors)))
     copy_written_constants(gm, recompile=False)
-    gm.recompile()
+    gm = torch.fx.GraphModule(gm, gm.graph)
     gm.meta["elements_touched"] = elements_touched(gm)
     if not fake:  # the recorded values: no longer needed, and as large as the model's data
         for node in gm.graph.nodes:
@@ -1778,7 +1793,7 @@ def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
         return
     # rewritten on a copy of the graph (the constants are shared, not copied), kept only if
     # its ops can be ordered and there are fewer
-    work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    work = _GraphInProgress(gm, copy.deepcopy(gm.graph))
     copies = dict(zip(nodes, work.graph.nodes))
     rank = {copies[node]: i for i, node in enumerate(nodes)}
     graph = work.graph
