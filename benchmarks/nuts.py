@@ -6,7 +6,10 @@ regression (N=5,000, D=25), a hierarchical linear model with 100 latent dimensio
 default, ``ar_loop`` (``pyro_hmc_plus.models.ar1_loop``): an AR(1) latent series of 20 steps
 observed with noise, written as a Python loop over ``pyro.markov`` with one sample site per
 step, as Pyro's time-series tutorials write models (slow for Pyro, so run it with fewer
-draws, e.g. ``--warmup 200 --samples 200``).
+draws, e.g. ``--warmup 200 --samples 200``), and ``seq_plate``
+(``pyro_hmc_plus.models.sequential_plate_regression``): a linear regression with one
+observation site per row of 1,000, in a sequential plate, as Pyro's introductory tutorials
+write models (Pyro's NUTS takes ~400 s for 200 + 200 draws: ``--reps 1``).
 
 Each contender runs one chain in a fresh Python process with one thread (so tracing and
 compiling are counted), ``--warmup`` + ``--samples`` iterations, and the contenders alternate
@@ -50,7 +53,7 @@ import subprocess
 import sys
 import time
 
-MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical", "ar_loop")
+MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical", "ar_loop", "seq_plate")
 DEFAULT_MODELS = MODELS[:4]
 CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor", "numpyro")
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -96,6 +99,9 @@ def make_problem(name: str):
             x = 0.8 * x + 0.5 * torch.randn((), generator=g)
             states.append(x)
         return counted(models.ar1_loop), (torch.stack(states) + 0.3 * torch.randn(20, generator=g),), calls
+    if name == "seq_plate":  # a = 1, b = 2, s = 0.5, 1,000 observations
+        x = torch.randn(1000, generator=g)
+        return counted(models.sequential_plate_regression), (x, 1.0 + 2.0 * x + 0.5 * torch.randn(1000, generator=g)), calls
     raise ValueError(name)
 
 
@@ -145,6 +151,13 @@ def numpyro_model(name: str):
             for t in range(len(y)):
                 x = numpyro.sample(f"x_{t}", nd.Normal(phi * x, s))
                 numpyro.sample(f"y_{t}", nd.Normal(x, 0.3), obs=y[t])
+    elif name == "seq_plate":
+        def model(x, y):
+            a = numpyro.sample("a", nd.Normal(0.0, 10.0))
+            b = numpyro.sample("b", nd.Normal(0.0, 10.0))
+            s = numpyro.sample("s", nd.HalfNormal(2.0))
+            for i in range(len(y)):
+                numpyro.sample(f"obs_{i}", nd.Normal(a + b * x[i], s), obs=y[i])
     else:
         raise ValueError(name)
     return model

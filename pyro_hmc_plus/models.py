@@ -98,6 +98,18 @@ def ar1_loop(y):
         pyro.sample(f"y_{t}", dist.Normal(x, 0.3), obs=y[t])
 
 
+def sequential_plate_regression(x, y):
+    """A linear regression ``y_i ~ N(a + b x_i, s)`` written as Pyro's introductory tutorials
+    write it: one observation site per row, in a sequential plate (the tracer makes the sums
+    over the observations one op each, so the gradient's cost does not grow with their
+    number; see ``docs/how-it-works.md``)."""
+    a = pyro.sample("a", dist.Normal(0.0, 10.0))
+    b = pyro.sample("b", dist.Normal(0.0, 10.0))
+    s = pyro.sample("s", dist.HalfNormal(2.0))
+    for i in pyro.plate("data", len(y)):
+        pyro.sample(f"obs_{i}", dist.Normal(a + b * x[i], s), obs=y[i])
+
+
 # British coal-mining disasters per year, 1851-1961 (Jarrett, Biometrika 66(1):191-193, 1979)
 COAL_MINING_DISASTERS = torch.tensor([
     4, 5, 4, 0, 1, 4, 3, 4, 0, 6, 3, 3, 4, 0, 2, 6, 3, 3, 5, 4, 5, 3, 1, 4, 4, 1, 5, 5, 3, 4, 2, 5,

@@ -10,7 +10,7 @@ from pyro.infer import MCMC
 from pyro_hmc_plus import HMC, NUTS, EngineFallbackWarning, SamplingWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
 import pyro_hmc_plus
 from pyro_hmc_plus import tracing
-from pyro_hmc_plus.models import ar1_loop
+from pyro_hmc_plus.models import ar1_loop, sequential_plate_regression
 
 from helpers import assert_mean, assert_variance
 from models import PRECISION, EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, gauss2d
@@ -461,16 +461,6 @@ def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(
             assert torch.allclose(U, U_ref, rtol=1e-5) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
-def _sequential_plate_regression(x, y):
-    """A linear regression with one observation site per row, in a sequential plate (as in
-    Pyro's introductory tutorials)."""
-    a = pyro.sample("a", dist.Normal(0.0, 10.0))
-    b = pyro.sample("b", dist.Normal(0.0, 10.0))
-    s = pyro.sample("s", dist.HalfNormal(2.0))
-    for i in pyro.plate("data", len(y)):
-        pyro.sample(f"obs_{i}", dist.Normal(a + b * x[i], s), obs=y[i])
-
-
 def test_a_sequential_plate_costs_the_same_operations_for_any_number_of_observations():
     """The vectorized steps of the potential's sum over the observations and of its
     gradient's (one group of four sums, each step's terms picked from one concatenation)
@@ -481,7 +471,7 @@ def test_a_sequential_plate_costs_the_same_operations_for_any_number_of_observat
         gen = torch.Generator().manual_seed(n)
         x = torch.randn(n, generator=gen)
         y = 1.0 + 2.0 * x + 0.5 * torch.randn(n, generator=gen)
-        flat = from_model(_sequential_plate_regression, (x, y))
+        flat = from_model(sequential_plate_regression, (x, y))
         engine = GradientEngine(flat)
         ops.append(engine.gradient_ops)
         for z in flat.initial_z + torch.randn(3, flat.dim, generator=gen):
