@@ -1826,14 +1826,13 @@ def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
                 del rank[member]
         for member in members:  # after the inserts before the first of them
             graph.erase_node(member)
-    _sum_rows_at_once(graph, row_of)
     _concatenate_rows_at_once(graph, row_of)
     if not _reorder(graph, rank):
         return
     graph.eliminate_dead_code(is_impure_node=_is_impure)
-    # again, now that the rows that no one reads are gone: where a group was the steps of
-    # several sums at once (a loop of sites: the potential's and its gradient's), each step
-    # of the vectorized sum had them as users, so it was no chain of adds used once
+    # once the rows that no one reads are gone: where a group was the steps of several sums
+    # at once (a loop of sites: the potential's and its gradient's), each step of the
+    # vectorized sum had them as users until then, so it was no chain of adds used once
     _sum_rows_at_once(graph, row_of)
     graph.eliminate_dead_code(is_impure_node=_is_impure)
     if operations(graph) >= operations(gm.graph):
