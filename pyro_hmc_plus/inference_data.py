@@ -103,10 +103,14 @@ def _prior_draw_if_discrete(site):
     return init_to_sample(site) if site["fn"].has_enumerate_support else init_to_uniform(site)
 
 
+def _is_latent(site) -> bool:
+    """A sample site whose value the model does not observe (nor a plate's subsample)."""
+    return site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
+
+
 def _is_marginalised(site) -> bool:
     """A discrete latent site: the kernels sum it out by enumeration rather than sample it."""
-    return (site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-            and site["fn"].has_enumerate_support)
+    return _is_latent(site) and site["fn"].has_enumerate_support
 
 
 def plate_dims(trace) -> Dict[str, List[str]]:
@@ -195,8 +199,7 @@ def to_inference_data(
         marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
         replayed, summed_out, enumerated = (observed if log_likelihood else {}), None, None
         unsaved = [name for name, site in trace.nodes.items()
-                   if site["type"] == "sample" and not site["is_observed"] and not site_is_subsample(site)
-                   and not _is_marginalised(site) and name not in by_chain]
+                   if _is_latent(site) and not _is_marginalised(site) and name not in by_chain]
         if unsaved and (replayed or shapes):
             # a replay would take these sites' values from their priors (Predictive's way), silently
             warnings.warn(
