@@ -19,6 +19,7 @@ interrupted.
 
 from __future__ import annotations
 
+import numbers
 import time
 import warnings
 from typing import List
@@ -106,8 +107,15 @@ class MCMC(pyro.infer.MCMC):
                 "chain_method='vectorized' needs a pyro_hmc_plus kernel (HMC or NUTS); "
                 f"for {type(kernel).__name__} use 'sequential' or 'parallel'"
             )
-        if not (isinstance(num_chains, int) and num_chains >= 1):
+        if not (isinstance(num_chains, numbers.Integral) and num_chains >= 1):
             raise ValueError(f"num_chains must be a positive integer, got {num_chains!r}")
+        # Pyro's MCMC takes these and fails after the warmup (ZeroDivisionError), or runs no warmup
+        if not (isinstance(num_samples, numbers.Integral) and num_samples >= 1):
+            raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+        if warmup_steps is not None and not (isinstance(warmup_steps, numbers.Integral) and warmup_steps >= 0):
+            raise ValueError(f"warmup_steps must be a non-negative integer (or None: as many as num_samples), got {warmup_steps!r}")
+        num_chains, num_samples = int(num_chains), int(num_samples)  # numpy integers too
+        warmup_steps = None if warmup_steps is None else int(warmup_steps)
         if leaves_per_call < 1:
             raise ValueError("leaves_per_call must be at least 1")
         unbatched = [k for k, v in (initial_params or {}).items() if torch.as_tensor(v).dim() == 0]

@@ -495,6 +495,14 @@ def test_invalid_arguments():
         MCMC(pyro.infer.NUTS(gauss2d), 10, chain_method="vectorized")
     with pytest.raises(ValueError, match="leading dimension"):
         MCMC(NUTS(gauss2d), 10, num_chains=3, initial_params={"q": torch.zeros(2, 2)})
+    for num_samples in (0, -5, 2.5):  # Pyro's MCMC: ZeroDivisionError after the warmup
+        with pytest.raises(ValueError, match="num_samples must be a positive integer"):
+            MCMC(NUTS(gauss2d), num_samples)
+    for warmup_steps in (-1, 10.0):  # Pyro's MCMC: no warmup, silently
+        with pytest.raises(ValueError, match="warmup_steps must be a non-negative integer"):
+            MCMC(NUTS(gauss2d), 10, warmup_steps=warmup_steps)
+    mcmc = MCMC(NUTS(gauss2d), np.int64(10), warmup_steps=np.int64(5), num_chains=np.int64(2))
+    assert (mcmc.num_samples, mcmc.warmup_steps, mcmc.num_chains) == (10, 5, 2)
     for chain_method in ("vectorized", "sequential"):  # was an IndexError from Pyro's check
         with pytest.raises(ValueError, match=r"\['q'\] have no chain dimension: with num_chains=3"):
             MCMC(NUTS(gauss2d), 10, num_chains=3, initial_params={"q": torch.tensor(0.0)}, chain_method=chain_method)
