@@ -26,7 +26,7 @@ import math
 import operator
 import sys
 import warnings
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.fx
@@ -389,18 +389,26 @@ def _out_of_place(node) -> Optional[torch._ops.OpOverload]:
     return getattr(packet, node.target._overloadname, None) if packet is not None else None
 
 
-def _slices_to_the_end(node) -> bool:
-    """A ``slice`` whose end is "to the end" (``x[a::k]``, recorded as ``sys.maxsize``)."""
-    return node.target is torch.ops.aten.slice.Tensor and len(node.args) > 3 and node.args[3] == sys.maxsize
+def _slice_bounds(node) -> Optional[Tuple[int, Optional[int], Optional[int], int]]:
+    """``(dim, start, end, step)`` of a ``slice`` with a bound counted from the end of its
+    dimension (``x[a::k]``, its end recorded as ``sys.maxsize``; ``x[..., 1:-1]``), else ``None``."""
+    if node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return None
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    if (start is not None and start < 0) or (end is not None and (end < 0 or end == sys.maxsize)):
+        return dim, start, end, step
+    return None
 
 
-def _strided_as_slice(node, values) -> Optional[tuple]:
-    """``as_strided(x, size, stride, offset)`` as ``(start, stop, step)`` of a slice of
-    ``x.view(-1)`` (to be viewed as ``size``), where ``x`` (its value in ``values``) is
-    contiguous from the start of its storage and the dimensions of more than one element
-    (a dimension of one has no stride that matters) are a strided run (``[n], [k]``: a
-    matrix's diagonal; ``[1, n], [*, k]``) or a contiguous block. ``None`` for other
-    ``as_strided`` calls."""
+def _strided_as_slices(node, values) -> Optional[Tuple[list, list]]:
+    """``as_strided(x, size, stride, offset)`` as ``(shape, slices)``: ``x`` viewed as
+    ``shape``, sliced by each ``(dim, start, stop, step)`` in turn and viewed as ``size``, where
+    ``x`` (its value in ``values``) is contiguous from the start of its storage and the
+    dimensions of more than one element (a dimension of one has no stride that matters) are
+    a strided run of ``x.view(-1)`` (``[n], [k]``: a matrix's diagonal; ``[1, n], [*, k]``), a
+    contiguous block of it, or a block of ``x`` in its own shape (``[200, 2], [4, 1]``: columns
+    1-2 of a ``(200, 4)`` matrix, where autograd writes the gradient of ``p[..., 1:-1] = v``).
+    ``None`` for other ``as_strided`` calls."""
     x, size, stride, offset = (list(node.args) + [node.kwargs.get("storage_offset")])[:4]
     x = values[x]
     offset = x.storage_offset() if offset is None else offset
@@ -414,8 +422,27 @@ def _strided_as_slice(node, values) -> Optional[tuple]:
     elif [k for _, k in dims] == contiguous:
         start, stop, step = offset, offset + math.prod(size), 1
     else:
+        return _block_of(x, dims, offset)
+    return ([-1], [(0, start, stop, step)]) if stop <= x.numel() else None
+
+
+def _block_of(x: torch.Tensor, dims, offset: int) -> Optional[Tuple[list, list]]:
+    """The ``as_strided`` dimensions ``dims`` (``(size, stride)`` pairs of more than one
+    element) at ``offset`` as slices of the contiguous ``x`` in its own shape: each stride is
+    one of ``x``'s, in ``x``'s order, and the block lies inside ``x``; else ``None``."""
+    index = [(offset // k) % n for n, k in zip(x.shape, x.stride())]  # offset's element of x
+    if sum(i * k for i, k in zip(index, x.stride())) != offset:
         return None
-    return (start, stop, step) if stop <= x.numel() else None
+    stops = [i + 1 for i in index]  # one element along the dimensions the view does not run
+    d = 0
+    for n, k in dims:
+        while d < x.dim() and not (x.stride(d) == k and x.shape[d] > 1):
+            d += 1
+        if d == x.dim() or index[d] + n > x.shape[d]:
+            return None
+        stops[d] = index[d] + n
+        d += 1
+    return list(x.shape), [(d, index[d], stops[d], 1) for d in range(x.dim()) if (index[d], stops[d]) != (0, x.shape[d])]
 
 
 def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
@@ -432,14 +459,18 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
       after the write (a tensor of its own, whose other uses come before and are not
       views of it) and the out-of-place result has the same dtype and shape (checked on
       ``example``'s values);
-    - a slice to the end of a dimension with its end as the dimension's size (from
-      ``example``'s values): written into in place (``K.view(-1)[::n + 1] += jitter``, the
-      diagonal of a covariance matrix in Pyro's Gaussian processes), ``sys.maxsize``
-      overflows in the functionalized batched op ("invalid size, possible overflow?");
+    - a slice's bounds counted from the end of its dimension, as counted from its start
+      (from ``example``'s values): written into in place, a slice to the end
+      (``K.view(-1)[::n + 1] += jitter``, the diagonal of a covariance matrix in Pyro's
+      Gaussian processes) has ``sys.maxsize`` as its end, which overflows in the
+      functionalized batched op ("invalid size, possible overflow?"), and a negative end
+      (``p[..., 1:-1] = v`` in Pyro's ``OrderedLogistic``) fails there ("upper bound and
+      lower bound inconsistent with step sign");
     - ``as_strided`` views that are slices of a contiguous tensor (that write's gradient:
-      autograd reads and writes the diagonal through ``as_strided``), as ``view`` and
-      ``slice``: written into, ``functionalize`` makes ``as_strided_scatter`` of them, which
-      ``vmap`` refuses, where it makes a ``slice_scatter`` of a slice;
+      autograd reads and writes the diagonal through ``as_strided``; the gradient of
+      ``p[..., 1:-1] = v``, as in Pyro's ``OrderedLogistic``, a block of columns), as ``view``
+      and ``slice``: written into, ``functionalize`` makes ``as_strided_scatter`` of them,
+      which ``vmap`` refuses, where it makes a ``slice_scatter`` of a slice;
     - ``copy_`` (into a fresh buffer, or through such a slice), which ``functionalize``
       makes an out-of-place ``copy`` that ``vmap`` runs chain by chain (and says so on
       stderr, "no batching rule for aten::copy"): the graph is functionalized here, and each
@@ -447,7 +478,7 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
     aten = torch.ops.aten
     bce = aten.binary_cross_entropy_with_logits.default
     if not any(n.target in (bce, aten.as_strided.default, aten.copy_.default) or _out_of_place(n) is not None
-               or _slices_to_the_end(n) for n in gm.graph.nodes):
+               or _slice_bounds(n) is not None for n in gm.graph.nodes):
         return gm
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     interpreter = torch.fx.Interpreter(gm, garbage_collect_values=False)
@@ -462,21 +493,24 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
         return new
 
     for node in list(graph.nodes):
-        if _slices_to_the_end(node):
-            dim = node.args[1]
-            node.args = node.args[:3] + (values[node.args[0]].shape[dim],) + node.args[4:]
+        bounds = _slice_bounds(node)
+        if bounds is not None:
+            dim, start, end, step = bounds
+            node.args = (node.args[0], dim, *slice(start, end, step).indices(values[node.args[0]].shape[dim]))
             continue
         if node.target is aten.as_strided.default:
-            strided_slice = _strided_as_slice(node, values)
-            if strided_slice is None:
+            as_slices = _strided_as_slices(node, values)
+            if as_slices is None:
                 continue
             x, size = node.args[:2]
+            shape, slices = as_slices
             with graph.inserting_before(node):
-                flat = new_op(node, aten.view.default, x, [-1])
-                piece = new_op(node, aten.slice.Tensor, flat, 0, *strided_slice)
+                piece = new_op(node, aten.view.default, x, shape)
+                values[piece] = values[x].view(shape)
+                for dim, start, stop, step in slices:
+                    piece = new_op(node, aten.slice.Tensor, piece, dim, start, stop, step)
+                    values[piece] = aten.slice.Tensor(values[piece.args[0]], dim, start, stop, step)
                 replacement = new_op(node, aten.view.default, piece, list(size))
-            values[flat] = values[x].view(-1)
-            values[piece] = values[flat][slice(*strided_slice)]
         elif node.target is bce:
             schema = bce._schema
             args = {a.name: a.default_value for a in schema.arguments}
