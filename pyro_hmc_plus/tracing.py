@@ -406,8 +406,9 @@ def _strided_as_slices(node, values) -> Optional[Tuple[list, list]]:
     ``x`` (its value in ``values``) is contiguous from the start of its storage and the
     dimensions of more than one element (a dimension of one has no stride that matters) are
     a strided run of ``x.view(-1)`` (``[n], [k]``: a matrix's diagonal; ``[1, n], [*, k]``), a
-    contiguous block of it, or a block of ``x`` in its own shape (``[200, 2], [4, 1]``: columns
-    1-2 of a ``(200, 4)`` matrix, where autograd writes the gradient of ``p[..., 1:-1] = v``).
+    contiguous block of it, or a block of it in the shape its strides lay out (``[200, 2],
+    [4, 1]``: columns 1-2 of a ``(200, 4)`` matrix, where autograd writes the gradient of
+    ``p[..., 1:-1] = v``).
     ``None`` for other ``as_strided`` calls."""
     x, size, stride, offset = (list(node.args) + [node.kwargs.get("storage_offset")])[:4]
     x = values[x]
@@ -428,21 +429,19 @@ def _strided_as_slices(node, values) -> Optional[Tuple[list, list]]:
 
 def _block_of(x: torch.Tensor, dims, offset: int) -> Optional[Tuple[list, list]]:
     """The ``as_strided`` dimensions ``dims`` (``(size, stride)`` pairs of more than one
-    element) at ``offset`` as slices of the contiguous ``x`` in its own shape: each stride is
-    one of ``x``'s, in ``x``'s order, and the block lies inside ``x``; else ``None``."""
-    index = [(offset // k) % n for n, k in zip(x.shape, x.stride())]  # offset's element of x
-    if sum(i * k for i, k in zip(index, x.stride())) != offset:
+    element) at ``offset`` as slices of the contiguous ``x`` viewed as the shape those strides
+    are a contiguous layout of: decreasing strides, each a multiple of the next (``[2, 2],
+    [3, 1]`` in ``(6,)``: a block of ``x.view(2, 3)``), the block inside it; else ``None``."""
+    strides = [k for _, k in dims]
+    if min(strides) < 1 or any(a <= b or a % b for a, b in zip(strides, strides[1:])) or x.numel() % strides[0]:
         return None
-    stops = [i + 1 for i in index]  # one element along the dimensions the view does not run
-    d = 0
-    for n, k in dims:
-        while d < x.dim() and not (x.stride(d) == k and x.shape[d] > 1):
-            d += 1
-        if d == x.dim() or index[d] + n > x.shape[d]:
-            return None
-        stops[d] = index[d] + n
-        d += 1
-    return list(x.shape), [(d, index[d], stops[d], 1) for d in range(x.dim()) if (index[d], stops[d]) != (0, x.shape[d])]
+    shape = [x.numel() // strides[0]] + [a // b for a, b in zip(strides, strides[1:])] + [strides[-1]]
+    layout = strides + [1]
+    index = [(offset // k) % n for n, k in zip(shape, layout)]  # offset's element of x.view(shape)
+    if sum(i * k for i, k in zip(index, layout)) != offset or any(i + n > m for i, (n, _), m in zip(index, dims, shape)):
+        return None
+    stops = [i + n for i, (n, _) in zip(index, dims)] + [index[-1] + 1]
+    return shape, [(d, index[d], stops[d], 1) for d in range(len(shape)) if (index[d], stops[d]) != (0, shape[d])]
 
 
 def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphModule:
@@ -471,13 +470,15 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
       ``p[..., 1:-1] = v``, as in Pyro's ``OrderedLogistic``, a block of columns), as ``view``
       and ``slice``: written into, ``functionalize`` makes ``as_strided_scatter`` of them,
       which ``vmap`` refuses, where it makes a ``slice_scatter`` of a slice;
+    - ``fill_`` with a tensor (``B[:, -1] = 0.0``), whose out-of-place ``fill`` ``vmap`` runs
+      point by point, as a ``copy_`` of the value expanded to the written tensor's shape;
     - ``copy_`` (into a fresh buffer, or through such a slice), which ``functionalize``
       makes an out-of-place ``copy`` that ``vmap`` runs chain by chain (and says so on
       stderr, "no batching rule for aten::copy"): the graph is functionalized here, and each
       ``copy`` of a value of the same shape and dtype is that value."""
     aten = torch.ops.aten
     bce = aten.binary_cross_entropy_with_logits.default
-    if not any(n.target in (bce, aten.as_strided.default, aten.copy_.default) or _out_of_place(n) is not None
+    if not any(n.target in (bce, aten.as_strided.default, aten.copy_.default, aten.fill_.Tensor) or _out_of_place(n) is not None
                or _slice_bounds(n) is not None for n in gm.graph.nodes):
         return gm
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -511,6 +512,14 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
                     piece = new_op(node, aten.slice.Tensor, piece, dim, start, stop, step)
                     values[piece] = aten.slice.Tensor(values[piece.args[0]], dim, start, stop, step)
                 replacement = new_op(node, aten.view.default, piece, list(size))
+        elif node.target is aten.fill_.Tensor:
+            x, value = node.args
+            if values[value].dtype != values[x].dtype:
+                continue
+            with graph.inserting_before(node):
+                filled = new_op(node, aten.expand.default, value, list(values[x].shape))
+                replacement = new_op(node, aten.copy_.default, x, filled)
+            values[filled] = values[value].expand(values[x].shape)
         elif node.target is bce:
             schema = bce._schema
             args = {a.name: a.default_value for a in schema.arguments}

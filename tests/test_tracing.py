@@ -1149,7 +1149,25 @@ def _ordinal_regression():
     return model
 
 
-@pytest.mark.parametrize("name", ["simplex_and_LKJCholesky", "GPRegression", "SparseGPRegression", "OrderedLogistic"])
+def _writes_into_slices():
+    """A matrix built by writes into its slices, of constants and of latent values."""
+
+    def model():
+        a = pyro.sample("a", dist.Normal(0.0, 1.0).expand([6]).to_event(1))
+        B = a.reshape(2, 3).clone()
+        B[:, -1] = 0.0
+        B[..., :-1] *= 2.0
+        C = torch.zeros(2, 3)
+        C[:, -1] = a[0]
+        C[0] = a[1:4]
+        C[:, 0] += a[4]
+        pyro.factor("f", -(B**2).sum() - (C**2).sum() - (a**2).sum())
+
+    return model
+
+
+@pytest.mark.parametrize("name", ["simplex_and_LKJCholesky", "GPRegression", "SparseGPRegression", "OrderedLogistic",
+                                  "writes_into_slices"])
 def test_the_batched_gradient_of_writes_has_batching_rules(name):
     """Gradients that write in place, which ``vmap`` had no batching rules for:
 
@@ -1166,11 +1184,15 @@ def test_the_batched_gradient_of_writes_has_batching_rules(name):
       (``[n, 2], [4, 1]``), and under ``functionalize`` a ``slice_scatter`` with a negative
       end, which ``vmap`` failed on ("upper bound and lower bound inconsistent with step
       sign"): 4 chains took 8.6 s where they now take 3.4 s.
+    - of writes into slices in a model (``B[:, -1] = 0.0``: ``fill_`` with a tensor, which
+      ``vmap`` ran point by point; ``B[..., :-1] *= 2``: in the gradient an ``as_strided``
+      block of a flat buffer, ``[2, 2], [3, 1]``, which it failed on).
 
     Checked with ``vmap`` 's per-point fallback switched off, against Pyro's gradient,
     point by point."""
     model = {"simplex_and_LKJCholesky": lambda: _correlated_simplex, "GPRegression": _gaussian_process,
-             "SparseGPRegression": lambda: _gaussian_process(sparse=True), "OrderedLogistic": _ordinal_regression}[name]()
+             "SparseGPRegression": lambda: _gaussian_process(sparse=True), "OrderedLogistic": _ordinal_regression,
+             "writes_into_slices": _writes_into_slices}[name]()
     flat = from_model(model)
     engine = GradientEngine(flat)
     fallback = torch._C._functorch._is_vmap_fallback_enabled()
@@ -1188,8 +1210,8 @@ def test_the_batched_gradient_of_writes_has_batching_rules(name):
 def test_as_strided_views_rewritten_as_slices_keep_their_values():
     """``for_vmap`` writes an ``as_strided`` view of a contiguous tensor as ``view`` +
     ``slice`` where it is one: a strided run (also with its offset as a keyword, and with
-    dimensions of one element), a contiguous block, or a block of the tensor in its own
-    shape; other layouts (a transpose, a block beyond the tensor's edge) stay ``as_strided``."""
+    dimensions of one element), a contiguous block, or a block of the shape its strides lay
+    out; other layouts (a transpose, a block beyond the tensor's edge) stay ``as_strided``."""
     aten = torch.ops.aten
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -1200,6 +1222,7 @@ def test_as_strided_views_rewritten_as_slices_keep_their_values():
         graph.call_function(aten.as_strided.default, (x, [2, 2], [4, 1], 5)),  # a 2 x 2 block
         graph.call_function(aten.as_strided.default, (x, [4, 2], [4, 1], 1)),  # columns 1-2
         graph.call_function(aten.as_strided.default, (x, [2, 1, 3], [4, 7, 1], 9)),  # rows 2-3, columns 1-3
+        graph.call_function(aten.as_strided.default, (x, [2, 2], [8, 2], 1)),  # rows 0 and 2, columns 1 and 3
         graph.call_function(aten.as_strided.default, (x, [4, 4], [1, 4])),  # the transpose: kept
         graph.call_function(aten.as_strided.default, (x, [2, 2], [4, 1], 3)),  # wraps past the last column: kept
     ]
