@@ -40,13 +40,13 @@ path.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Callable, Sequence
 
 import pyro
 import torch
 
 from . import _compile, tracing
+from ._warn import warn_user
 from .potential import FlatPotential
 
 ENGINES = ("auto", "trace", "aot", "inductor", "eager")
@@ -319,12 +319,11 @@ class GradientEngine:
             self._fall_back(f"{e}")
             return self._eager(fn)
         if traced is None:  # the model fails numerically at every example: run it eagerly
-            warnings.warn(
+            warn_user(
                 "pyro_hmc_plus: the model failed numerically (e.g. a Cholesky factorisation) at every point "
                 "where a sampler program was to be recorded; that program runs on eager autograd "
                 "(correct, several times slower)",
                 EngineFallbackWarning,
-                stacklevel=4,
             )
             return self._eager(fn)
         problem = None
@@ -441,20 +440,18 @@ class GradientEngine:
         for a whole feature)."""
         if not self._said_not_compiled:
             self._said_not_compiled = True
-            warnings.warn(
+            warn_user(
                 f"engine={self.name!r}: a sampler program could not be traced for the C++ compiler "
                 f"({error}); it runs as a traced program instead (correct, slower)",
                 EngineFallbackWarning,
-                stacklevel=5,
             )
 
     def _compiler_failed(self, compiler: str, error: Exception):
         """A C++ compiler failed on a program: warn, and trace from now on."""
-        warnings.warn(
+        warn_user(
             f"{compiler} could not compile the program ({type(error).__name__}: {error}); "
             "using the traced graph instead",
             EngineFallbackWarning,
-            stacklevel=4,
         )
         self.name = "trace"
 
@@ -467,10 +464,9 @@ class GradientEngine:
             else:
                 advice = ("Falling back to eager autograd, which runs the potential as it is: the draws "
                           "follow the posterior only if those random numbers leave its value unchanged.")
-            warnings.warn(
+            warn_user(
                 f"pyro_hmc_plus: cannot use the {self.name!r} engine for this {self.flat.source}: {reason}. {advice}",
                 EngineFallbackWarning,
-                stacklevel=4,
             )
         self.name = "eager"
         self.fallback_reason = reason

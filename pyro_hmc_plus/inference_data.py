@@ -33,6 +33,7 @@ from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, i
 from pyro.poutine.util import site_is_subsample
 
 from .potential import model_trace
+from ._warn import warn_user
 
 STAT_NAMES = ("lp", "energy", "diverging", "acceptance_rate", "step_size", "tree_depth", "n_steps",
               "reached_max_treedepth")
@@ -202,13 +203,12 @@ def to_inference_data(
                    if _is_latent(site) and not _is_marginalised(site) and name not in by_chain]
         if unsaved and (replayed or shapes):
             # a replay would take these sites' values from their priors (Predictive's way), silently
-            warnings.warn(
+            warn_user(
                 f"the draws have no values of the latent sites {unsaved} (save_params kept {sorted(by_chain)}), "
                 f"so {sorted(replayed) + sorted(shapes)} are left out of the export: the log likelihood and "
                 "pyro.deterministic values are computed from every latent site (log_likelihood=False, "
                 "deterministic=False export without this warning)",
                 UserWarning,
-                stacklevel=2,
             )
             replayed, shapes = {}, {}
         if marginalised:
@@ -222,14 +222,13 @@ def to_inference_data(
             left_out += [name for name in replayed if name not in summed_out]
             shapes, replayed = {name: shapes[name] for name in kept}, {name: replayed[name] for name in summed_out}
             if left_out:
-                warnings.warn(
+                warn_user(
                     f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled, so "
                     f"{left_out} are left out of the export: a pointwise log likelihood can sum out only the "
                     "discrete sites of its own plates (a value per observation, as a mixture's assignments), "
                     "and a pyro.deterministic value must not depend on them (log_likelihood=False, "
                     "deterministic=False export without this warning)",
                     UserWarning,
-                    stacklevel=2,
                 )
         if replayed or shapes:
             one_draw_shapes = {name: _log_density(trace.nodes[name]).shape for name in replayed}
@@ -251,12 +250,11 @@ def to_inference_data(
         if warmup_samples is not None:
             groups["warmup_posterior"] = {k: v.detach().cpu().numpy() for k, v in warmup_samples.items()}
         else:
-            warnings.warn(
+            warn_user(
                 "this run does not keep warmup draws (pyro.infer.MCMC and chain_method='parallel' "
                 "discard them): exporting warmup sample statistics only (pyro_hmc_plus.MCMC with "
                 "vectorized or sequential chains gives warmup_posterior too)",
                 UserWarning,
-                stacklevel=2,
             )
     used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values())}
     return _from_dict(groups, coords, used, save_warmup)
@@ -342,12 +340,11 @@ def _replay(replay_at, samples, num_chains, num_draws):
         try:
             log_p, values = one_by_one(range(num))
         except Exception as e:
-            warnings.warn(
+            warn_user(
                 f"could not replay the model at the draws ({type(e).__name__}: {e}); the log_likelihood group "
                 "and the values of pyro.deterministic sites are left out (log_likelihood=False skips the "
                 "log likelihood)",
                 UserWarning,
-                stacklevel=3,
             )
             return {}, {}
 
@@ -506,13 +503,12 @@ def _names_where(dataset, predicate) -> List[str]:
     return names
 
 
-def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
+def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     """Stan's checks of a finished run (an MCMC object or ArviZ data from
     :func:`to_inference_data`): divergent transitions, draws at the maximum tree depth,
     E-BFMI below 0.3 in any chain, R-hat above 1.01 (rank-normalised split R-hat, ArviZ) and
     bulk or tail ESS below 100 per chain for any scalar parameter (Vehtari et al. 2021).
-    With ``warn=True`` the problems are also emitted as one :class:`SamplingWarning`
-    (``stacklevel`` as for :func:`warnings.warn`)."""
+    With ``warn=True`` the problems are also emitted as one :class:`SamplingWarning`."""
     import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
 
     # the sampled sites only: no replay of the model (draw by draw for a model that does not
@@ -524,7 +520,7 @@ def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
         report = RunDiagnostics(num_chains, num_draws, [], [], [], float("nan"), [], [], [],
                                 [f"only {num_draws} draws per chain: too few to diagnose; run more draws"])
         if warn:
-            warnings.warn(report.problems[0], SamplingWarning, stacklevel=stacklevel)
+            warn_user(report.problems[0], SamplingWarning)
         return report
     diverging = np.asarray(stats["diverging"]).astype(bool)
     divergences = diverging.sum(1).tolist()
@@ -574,7 +570,7 @@ def diagnose(run, *, warn: bool = False, stacklevel: int = 2) -> RunDiagnostics:
     report = RunDiagnostics(num_chains, num_draws, divergences, hits, ebfmi, max_rhat, high_rhat, low_bulk,
                             low_tail, problems)
     if warn and problems:
-        warnings.warn("sampling problems: " + "; ".join(problems) + ".", SamplingWarning, stacklevel=stacklevel)
+        warn_user("sampling problems: " + "; ".join(problems) + ".", SamplingWarning)
     return report
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import numbers
 import time
-import warnings
 from typing import List
 
 import pyro
@@ -31,6 +30,7 @@ from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _UnarySampler
 from tqdm.auto import tqdm
 
 from . import adaptation, chain_batch, rounds
+from ._warn import warn_user
 from .hmc import HMCState
 from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, EngineFallbackWarning, is_numerical_failure, with_autograd
 from .inference_data import diagnose, summary_table, to_inference_data
@@ -172,13 +172,12 @@ class MCMC(pyro.infer.MCMC):
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
         if self.warn_on_problems and isinstance(self.kernel, HMC) and drawn >= 4:
             try:
-                diagnose(self, warn=True, stacklevel=4)  # the caller of run(), past Pyro's poutine.block wrapper
+                diagnose(self, warn=True)
             except Exception as e:  # checks of a finished run must not turn it into an error
-                warnings.warn(
+                warn_user(
                     f"the run finished, but checking its draws failed ({type(e).__name__}: {e}); the "
                     "draws are in get_samples() (pass warn_on_problems=False to skip the checks)",
                     RuntimeWarning,
-                    stacklevel=3,
                 )
 
     def _run_sequential(self, args, kwargs):
@@ -214,12 +213,11 @@ class MCMC(pyro.infer.MCMC):
         if interrupted in kept:
             self._diagnostics[interrupted] = self.kernel.diagnostics()
         num_kept = min(max(len(draws[c]) - W, 0) for c in kept)
-        warnings.warn(
+        warn_user(
             f"sampling interrupted in chain {interrupted} of {self.sampler.num_chains}: draws per chain "
             f"{[len(d) for d in draws]} (of {W + self.num_samples}, warmup {W}); keeping the first "
             f"{num_kept} post-warmup draws of chains {kept}",
             RuntimeWarning,
-            stacklevel=5,
         )
         self.num_chains = len(kept)
         self._diagnostics = [self._diagnostics[c] for c in kept]
@@ -355,13 +353,12 @@ class _VectorizedRun:
         self.T = max(1, self.T // k._steps_per_round())  # rounds per call
         zs = k._build_potential(args, kwargs, initial, self.C)
         if k._engine.name == "eager" and self.C > 1:
-            warnings.warn(
+            warn_user(
                 "pyro_hmc_plus: this model's gradient runs on eager autograd, so vectorized chains evaluate it "
                 "chain after chain at every step of a round, steps of chains whose trajectories have ended "
                 "included: chain_method='sequential' runs them faster (4 NUTS chains of a model with `.item()`: "
                 "~1.5x)",
                 EngineFallbackWarning,
-                stacklevel=7,  # the caller of run(), past the run's wrappers
             )
         flat = k._flat
         self.layout, self.D = flat.layout, flat.dim
@@ -566,11 +563,10 @@ class _VectorizedRun:
                     self._describe(bar, counts, rows.divergences())
         except KeyboardInterrupt:
             kept = [max(n - self.W, 0) for n in counts]
-            warnings.warn(
+            warn_user(
                 f"sampling interrupted: draws per chain {counts} (of {self.total}, warmup "
                 f"{self.W}); keeping the first {min(kept)} post-warmup draws of every chain",
                 RuntimeWarning,
-                stacklevel=4,
             )
         finally:
             self.chains = _unflatten(structure, iter(leaves))

@@ -3,7 +3,9 @@
 against exact posteriors and against sequential chains (MCSE tolerances, fixed seeds)."""
 
 import functools
+import inspect
 import math
+import warnings
 
 import arviz as az
 import numpy as np
@@ -12,7 +14,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 
-from pyro_hmc_plus import HMC, MCMC, NUTS, chain_batch, rounds, to_inference_data
+from pyro_hmc_plus import HMC, MCMC, NUTS, EngineFallbackWarning, SamplingWarning, chain_batch, rounds, to_inference_data
 from pyro_hmc_plus.hmc import HMCState, hmc_step
 from pyro_hmc_plus.integrator import leapfrog
 from pyro_hmc_plus.metric import make_metric
@@ -486,6 +488,34 @@ def test_without_warmup_the_step_size_is_still_searched(kernel_class, chain_meth
     step_size = np.asarray(idata.sample_stats["step_size"])
     assert (step_size < 0.1).all() and not np.asarray(idata.sample_stats["diverging"]).any()
     assert np.abs(np.asarray(idata.posterior["x"])[:, 10:]).max() < 0.05  # near the mode after the start
+
+
+def _branching_model():
+    """Python control flow on a latent value: the trace engine falls back to eager autograd."""
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    pyro.sample("obs", dist.Normal(mu, 1.0 if mu > 0 else 2.0), obs=torch.tensor(0.5))
+
+
+@pytest.mark.parametrize("runner", ["pyro.infer.MCMC", "sequential", "vectorized"])
+def test_warnings_point_at_the_users_line(runner):
+    """The fallback and the checks after the run warn at the user's ``run()`` line, whatever
+    the depth of the call below it: fixed ``stacklevel`` s pointed into the kernels, into
+    ``mcmc.py`` or at Pyro's ``poutine`` wrapper (``messenger.py:32: return fn(*args,
+    **kwargs)``), where ``module=`` filters and a reader's eye look in vain."""
+    pyro.set_rng_seed(0)
+    if runner == "pyro.infer.MCMC":
+        mcmc = pyro.infer.MCMC(NUTS(_branching_model), num_samples=10, warmup_steps=10, disable_progbar=True)
+    else:
+        mcmc = MCMC(NUTS(_branching_model), num_samples=10, warmup_steps=10, num_chains=1 + (runner == "vectorized"),
+                    chain_method=runner, disable_progbar=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = inspect.currentframe().f_lineno + 1  # the next line's number
+        mcmc.run()
+    ours = [w for w in caught if issubclass(w.category, (EngineFallbackWarning, SamplingWarning))]
+    assert {w.category for w in ours} >= ({EngineFallbackWarning} if runner == "pyro.infer.MCMC"
+                                          else {EngineFallbackWarning, SamplingWarning})
+    assert all((w.filename, w.lineno) == (__file__, line) for w in ours), [(w.filename, w.lineno) for w in ours]
 
 
 def test_invalid_arguments():
