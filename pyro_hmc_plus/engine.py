@@ -152,6 +152,7 @@ class GradientEngine:
         self._graph = None
         self._batched_graphs = {}  # batch size -> graph (or None: not vmappable)
         self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
+        self._gradient_functions = {}  # shape of z -> TorchScript function of value_and_grad
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -306,6 +307,21 @@ class GradientEngine:
             self._gradient_programs[shape] = program
         return program(z)
 
+    def _gradient_function(self, z: torch.Tensor):
+        """``value_and_grad(z)`` for a program being recorded: a TorchScript function, one per
+        shape of ``z``, recorded once at the initial point, which the program's recording
+        calls as one node (:func:`tracing.to_torchscript` inlines it). Running the gradient
+        graph op by op under the recorder costs ~25 µs an operation at every call, and a
+        sampler's programs call it dozens of times: half of their recording time (an ordinal
+        regression's gradient of 119 operations: 0.85 -> 0.41 s)."""
+        shape = tuple(_compile.static_shape(z))
+        function = self._gradient_functions.get(shape)
+        if function is None:
+            with _compile.outside_traces():
+                function = tracing.to_torchscript(self.value_and_grad, (self.flat.initial_z.expand(shape).clone(),))
+            self._gradient_functions[shape] = function
+        return function(z)
+
     def _traced_program(self, fn, examples, validation_inputs):
         """``fn`` recorded by ``torch.jit.trace`` (inlining the gradient graph wherever ``fn``
         calls ``value_and_grad``), run by Static Runtime, else by TorchScript, whichever first
@@ -313,7 +329,7 @@ class GradientEngine:
         candidates = [examples] + [tuple(x.clone() for x in xs) for xs in validation_inputs[1:]]
         try:
             traced = self._first_that_runs(
-                lambda inputs: tracing.to_torchscript(lambda *xs: fn(self.value_and_grad, *xs), inputs), candidates
+                lambda inputs: tracing.to_torchscript(lambda *xs: fn(self._gradient_function, *xs), inputs), candidates
             )
         except tracing.UntraceableModel as e:
             self._fall_back(f"{e}")

@@ -599,7 +599,8 @@ def elements_touched(gm: torch.fx.GraphModule) -> int:
 def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:
     """``fn`` (a function of tensors returning a tuple of tensors) run once at
     ``example_inputs`` under ``torch.jit.trace``: a TorchScript program of every aten op it
-    performed, for the sampler's functions around the already traced gradient graph.
+    performed (those of the TorchScript functions it called included), for the sampler's
+    functions around the already traced gradient graph.
 
     Recording real execution costs about as much as running ``fn`` once (``make_fx`` costs
     ~1 ms per op here, seconds for a NUTS subtree). The price is that the recorder follows
@@ -622,6 +623,9 @@ def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:
             if cause is None:
                 raise
             raise UntraceableModel(f"the program cannot be recorded as one trace: {cause}") from e
+    inline = getattr(torch._C, "_jit_pass_inline", None)
+    if inline is not None:  # calls of TorchScript functions (a gradient recorded once), as their operations
+        inline(traced.graph)
     return _with_tensor_operands(traced)
 
 

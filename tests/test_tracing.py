@@ -560,6 +560,30 @@ def test_traced_random_loops_keep_their_values_and_gradients():
             assert torch.allclose(traced, direct, rtol=1e-4, atol=1e-4, equal_nan=True), seed
 
 
+@pytest.mark.parametrize("chains", [1, 4])
+def test_programs_call_the_gradient_recorded_once_per_shape(monkeypatch, chains):
+    """The sampler's programs (NUTS, one chain and vectorized chains) are recorded calling
+    the gradient as a TorchScript function recorded once per shape of ``z``, not by running
+    the gradient graph op by op under the recorder at each of their dozens of calls (half of
+    their recording time). The same draws either way: the programs are inlined."""
+    during_recordings = []
+    value_and_grad = GradientEngine.value_and_grad
+
+    def counted(self, z):
+        if torch._C._get_tracing_state() is not None:
+            during_recordings.append(z)
+        return value_and_grad(self, z)
+
+    monkeypatch.setattr(GradientEngine, "value_and_grad", counted)
+    pyro.set_rng_seed(0)
+    mcmc = pyro_hmc_plus.MCMC(NUTS(eight_schools), num_samples=30, warmup_steps=30, num_chains=chains,
+                              disable_progbar=True, warn_on_problems=False)
+    mcmc.run(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    engine = mcmc.kernel._engine
+    assert engine.name == "trace" and engine._gradient_functions
+    assert len(during_recordings) == len(engine._gradient_functions)  # each function's own recording
+
+
 def test_a_trace_generates_python_code_once(monkeypatch):
     """The passes rewrite graphs that no one runs until the trace is finished; generating
     their Python code at every copy and every round of the vectorizer took ~6 of the 19 s
