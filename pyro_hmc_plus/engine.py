@@ -63,7 +63,10 @@ _GRADIENT_CHECKS = 2  # random points (besides the initial one) where the traced
 # Python loop of one site per step (models.ar1_loop at several lengths; the operation counts
 # of its graphs before tracing.vectorize_alike_ops), 1000 + 1000 draws: inlined programs were
 # faster at 135 operations (3.4 vs 5.0 s), about as fast at 237 (4.6 vs 5.0 s), slower from
-# 373 (11.9 vs 8.8 s; 68.6 vs 12.0 s at 3,433 and 100 + 100 draws).
+# 373 (11.9 vs 8.8 s; 68.6 vs 12.0 s at 3,433 and 100 + 100 draws). Measured again once the
+# programs called a gradient recorded once (GradientEngine._gradient_function), on ragged
+# groups with a plate each (500 + 500 draws): still slower inlined at 337 operations (7.6-7.9
+# vs 8.0-8.6 s) and 493 (17.6-19.8 vs 20.8-21.5 s).
 MAX_INLINED_GRADIENT_OPS = 300
 # The same for the rounds of many chains at once, whose bookkeeping (~850 operations a round)
 # costs more when run op by op in Python: 4 chains, 1000 + 1000 draws, inlined programs were
