@@ -164,7 +164,7 @@ def from_model(
     """
     kwargs = {}
     if init_strategy is not None:
-        kwargs["init_strategy"] = init_strategy
+        init_strategy = kwargs["init_strategy"] = _inside_supports(init_strategy)
     if transforms is not None:
         transforms = _with_default_transforms(model, model_args, model_kwargs or {}, transforms, init_strategy)
     try:
@@ -202,6 +202,36 @@ def from_model(
     layout = SiteLayout.of(init, batch_ndim=len(batch))
     zs = layout.pack({k: v.detach() for k, v in init.items()}, batch_shape=batch).reshape(-1, layout.dim)
     return FlatPotential(potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs)
+
+
+def _inside_supports(init_strategy: Callable) -> Callable:
+    """``init_strategy`` whose values are checked as it gives them: finite and inside their
+    sites' supports. A value outside (``init_to_value(values={"sigma": torch.tensor(-1.0)})``,
+    or a NaN) otherwise fails later as whatever the model's next line makes of it ("normal
+    expects all elements of std >= 0.0"), without the site's name."""
+
+    def checked(site):
+        value = init_strategy(site)
+        try:
+            inside = site["fn"].support.check(value)
+        except NotImplementedError:  # a dependent support, which biject_to will refuse with its own error
+            return value
+        if value.is_floating_point():
+            finite = torch.isfinite(value)
+            for _ in range(site["fn"].support.event_dim):
+                finite = finite.all(-1)
+            inside = inside & finite
+        if not bool(torch.as_tensor(inside).all()):
+            shown = value.detach().reshape(-1).tolist()
+            raise ValueError(
+                f"init_strategy gave the latent site {site['name']!r} initial values outside its support "
+                f"({site['fn'].support} of {type(site['fn']).__name__}): {shown[:6]}{' ...' if len(shown) > 6 else ''}. "
+                "Initial values are constrained values (a scale is positive, a probability in (0, 1)): "
+                "give ones inside the support, or leave the site to the fallback (init_to_uniform)"
+            )
+        return value
+
+    return checked
 
 
 def model_trace(model, args, kwargs):

@@ -61,6 +61,31 @@ def test_non_finite_initial_values_are_rejected():
         from_potential_fn(lambda p: (p["x"] ** 2).sum(), {"x": torch.tensor([0.0, float("nan")])})
 
 
+def _scale_then_location():
+    scale = pyro.sample("scale", dist.HalfNormal(1.0))
+    pyro.sample("loc", dist.Normal(0.0, scale).expand([2]).to_event(1))
+    pyro.sample("p", dist.Beta(2.0, 2.0))
+
+
+@pytest.mark.parametrize("values, site, shown", [
+    ({"scale": torch.tensor(-1.0)}, "scale", r"\[-1.0\]"),
+    ({"scale": torch.tensor(float("nan"))}, "scale", r"\[nan\]"),
+    ({"loc": torch.tensor([0.0, float("inf")])}, "loc", r"\[0.0, inf\]"),
+    ({"p": torch.tensor(1.5)}, "p", r"\[1.5\]"),
+])
+def test_initial_values_outside_their_supports_name_the_site(values, site, shown):
+    """``init_to_value`` with a value outside its site's support, or not finite, fails as it is
+    given, naming the site and its support; a negative scale used to fail one line later as
+    torch's "normal expects all elements of std >= 0.0", without a name (Pyro's kernels too)."""
+    from pyro.infer.autoguide import init_to_value
+
+    with pytest.raises(ValueError, match=rf"latent site '{site}' initial values outside its support .*: {shown}"):
+        from_model(_scale_then_location, init_strategy=init_to_value(values=values))
+    flat = from_model(_scale_then_location, init_strategy=init_to_value(values={"scale": torch.tensor(2.0)}))
+    unconstrained_scale = flat.layout.unpack(flat.initial_z)["scale"]
+    assert flat.transforms["scale"].inv(unconstrained_scale).item() == pytest.approx(2.0, rel=1e-6)
+
+
 def test_potential_must_be_scalar():
     with pytest.raises(ValueError, match="scalar"):
         from_potential_fn(lambda p: p["x"] ** 2, {"x": torch.zeros(3)})
