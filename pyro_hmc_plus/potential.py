@@ -212,6 +212,8 @@ def _inside_supports(init_strategy: Callable) -> Callable:
 
     def checked(site):
         value = init_strategy(site)
+        if not isinstance(value, torch.Tensor):
+            return value  # Pyro's own checks say what is wrong with it
         try:
             inside = site["fn"].support.check(value)
         except NotImplementedError:  # a dependent support, which biject_to will refuse with its own error
