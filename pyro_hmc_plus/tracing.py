@@ -472,13 +472,16 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
       which ``vmap`` refuses, where it makes a ``slice_scatter`` of a slice;
     - ``fill_`` with a tensor (``B[:, -1] = 0.0``), whose out-of-place ``fill`` ``vmap`` runs
       point by point, as a ``copy_`` of the value expanded to the written tensor's shape;
+    - ``special_log_ndtr`` (censored Gaussian likelihoods), which ``vmap`` runs point by
+      point, as torch's formula for it in ``erfcx``, ``erfc`` and ``where``;
     - ``copy_`` (into a fresh buffer, or through such a slice), which ``functionalize``
       makes an out-of-place ``copy`` that ``vmap`` runs chain by chain (and says so on
       stderr, "no batching rule for aten::copy"): the graph is functionalized here, and each
       ``copy`` of a value of the same shape and dtype is that value."""
     aten = torch.ops.aten
     bce = aten.binary_cross_entropy_with_logits.default
-    if not any(n.target in (bce, aten.as_strided.default, aten.copy_.default, aten.fill_.Tensor) or _out_of_place(n) is not None
+    if not any(n.target in (bce, aten.as_strided.default, aten.copy_.default, aten.fill_.Tensor, aten.special_log_ndtr.default)
+               or _out_of_place(n) is not None
                or _slice_bounds(n) is not None for n in gm.graph.nodes):
         return gm
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
@@ -512,6 +515,17 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
                     piece = new_op(node, aten.slice.Tensor, piece, dim, start, stop, step)
                     values[piece] = aten.slice.Tensor(values[piece.args[0]], dim, start, stop, step)
                 replacement = new_op(node, aten.view.default, piece, list(size))
+        elif node.target is aten.special_log_ndtr.default:
+            # torch's own formula (calc_log_ndtr), in ops that have batching rules
+            x, = node.args
+            with graph.inserting_before(node):
+                t = new_op(node, aten.mul.Tensor, x, math.sqrt(0.5))
+                lower = new_op(node, aten.sub.Tensor, new_op(node, aten.log.default, new_op(
+                    node, aten.mul.Tensor, new_op(node, aten.special_erfcx.default, new_op(node, aten.neg.default, t)), 0.5)),
+                    new_op(node, aten.mul.Tensor, t, t))
+                upper = new_op(node, aten.log1p.default, new_op(
+                    node, aten.mul.Tensor, new_op(node, aten.special_erfc.default, t), -0.5))
+                replacement = new_op(node, aten.where.self, new_op(node, aten.lt.Scalar, x, -1.0), lower, upper)
         elif node.target is aten.fill_.Tensor:
             x, value = node.args
             if values[value].dtype != values[x].dtype:

@@ -1190,8 +1190,22 @@ def _writes_into_slices():
     return model
 
 
+def _censored_normal():
+    """Observations censored above 1.0, their likelihood written with ``log_ndtr``."""
+    y = torch.tensor([-0.3, 0.4, 1.0, 0.8, 1.0, -1.2])
+    censored = y >= 1.0
+
+    def model():
+        loc = pyro.sample("loc", dist.Normal(0.0, 2.0))
+        scale = pyro.sample("scale", dist.HalfNormal(1.0))
+        above = torch.special.log_ndtr((loc - y) / scale)  # log P(Y > y)
+        pyro.factor("y", torch.where(censored, above, dist.Normal(loc, scale).log_prob(y)).sum())
+
+    return model
+
+
 @pytest.mark.parametrize("name", ["simplex_and_LKJCholesky", "GPRegression", "SparseGPRegression", "OrderedLogistic",
-                                  "writes_into_slices"])
+                                  "writes_into_slices", "log_ndtr"])
 def test_the_batched_gradient_of_writes_has_batching_rules(name):
     """Gradients that write in place, which ``vmap`` had no batching rules for:
 
@@ -1211,12 +1225,14 @@ def test_the_batched_gradient_of_writes_has_batching_rules(name):
     - of writes into slices in a model (``B[:, -1] = 0.0``: ``fill_`` with a tensor, which
       ``vmap`` ran point by point; ``B[..., :-1] *= 2``: in the gradient an ``as_strided``
       block of a flat buffer, ``[2, 2], [3, 1]``, which it failed on).
+    - ``torch.special.log_ndtr`` (no batching rule: point by point), written as torch's
+      formula for it.
 
     Checked with ``vmap`` 's per-point fallback switched off, against Pyro's gradient,
     point by point."""
     model = {"simplex_and_LKJCholesky": lambda: _correlated_simplex, "GPRegression": _gaussian_process,
              "SparseGPRegression": lambda: _gaussian_process(sparse=True), "OrderedLogistic": _ordinal_regression,
-             "writes_into_slices": _writes_into_slices}[name]()
+             "writes_into_slices": _writes_into_slices, "log_ndtr": _censored_normal}[name]()
     flat = from_model(model)
     engine = GradientEngine(flat)
     fallback = torch._C._functorch._is_vmap_fallback_enabled()
@@ -1257,6 +1273,21 @@ def test_as_strided_views_rewritten_as_slices_keep_their_values():
     assert sum(n.target is aten.as_strided.default for n in rewritten.graph.nodes) == 2
     for expected, actual in zip(gm(example), rewritten(example)):
         assert torch.equal(expected, actual)
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.float64, 2e-15)])
+def test_log_ndtr_written_for_vmap_keeps_torchs_values(dtype, rtol):
+    """``for_vmap`` writes ``special_log_ndtr`` as torch's own formula for it (``erfcx`` below
+    -1, ``log1p(-erfc / 2)`` above): the same values to a few units in the last place, from
+    the far tail (-40) to 10 and on both sides of the switch, all finite."""
+    x = torch.cat([torch.linspace(-40.0, 10.0, 20001, dtype=dtype), torch.tensor([-1.0, -1.0 - 1e-6, -1.0 + 1e-6], dtype=dtype)])
+    graph = torch.fx.Graph()
+    graph.output((graph.call_function(torch.ops.aten.special_log_ndtr.default, (graph.placeholder("x"),)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    rewritten = tracing.for_vmap(gm, x)
+    assert torch.ops.aten.special_log_ndtr.default not in [n.target for n in rewritten.graph.nodes]
+    expected, actual = gm(x)[0], rewritten(x)[0]
+    assert torch.isfinite(actual).all() and torch.allclose(actual, expected, rtol=rtol, atol=0.0)
 
 
 def test_as_strided_views_of_random_layouts_rewritten_as_slices_keep_their_values():
