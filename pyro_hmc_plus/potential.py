@@ -223,7 +223,7 @@ def _inside_supports(init_strategy: Callable) -> Callable:
             for _ in range(site["fn"].support.event_dim):
                 finite = finite.all(-1)
             inside = inside & finite
-        if not bool(torch.as_tensor(inside).all()):
+        if not bool(inside.all()):
             shown = value.detach().reshape(-1).tolist()
             raise ValueError(
                 f"init_strategy gave the latent site {site['name']!r} initial values outside its support "

@@ -533,7 +533,6 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
             with graph.inserting_before(node):
                 filled = new_op(node, aten.expand.default, value, list(values[x].shape))
                 replacement = new_op(node, aten.copy_.default, x, filled)
-            values[filled] = values[value].expand(values[x].shape)
         elif node.target is bce:
             schema = bce._schema
             args = {a.name: a.default_value for a in schema.arguments}
