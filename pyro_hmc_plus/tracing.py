@@ -1517,8 +1517,8 @@ def _product(gm, matrix: torch.Tensor, x, like):
     def constant(value):
         return _constant_node(gm, "_matrix_", value.to(like.dtype).contiguous())
 
-    def call(target, args, val):
-        node = graph.call_function(target, args)
+    def call(target, args, val, **kwargs):
+        node = graph.call_function(target, args, kwargs)
         node.meta["val"] = val
         return node
 
@@ -1532,7 +1532,33 @@ def _product(gm, matrix: torch.Tensor, x, like):
         vector = call(aten.mv.default, (constant(matrix.reshape(matrix.shape[-2:])), source), like.reshape(-1))
         return call(aten.reshape.default, (vector, list(like.shape)), like)
     bmm = matrix.dim() == 3 and torch.is_tensor(xv) and xv.dim() == 3 and xv.shape[0] == matrix.shape[0]
-    return call(aten.bmm.default if bmm else aten.matmul.default, (constant(matrix), x), like)
+    product = call(aten.bmm.default if bmm else aten.matmul.default, (constant(matrix), x), like.contiguous())
+    order = _dense_order(like)
+    if order == list(range(like.dim())):
+        return product
+    # the solve's strides (column-major, as LAPACK writes), which the views after it were
+    # recorded with: the product laid out in that order
+    laid_out = call(aten.permute.default, (product, order), like.permute(order))
+    laid_out = call(aten.clone.default, (laid_out,), like.permute(order).contiguous(),
+                    memory_format=torch.contiguous_format)
+    return call(aten.permute.default, (laid_out, _inverse_permutation(order)), like)
+
+
+def _dense_order(t: torch.Tensor):
+    """The dimensions of ``t`` from the largest stride to the smallest if ``t`` is
+    ``permute(order)`` of a contiguous tensor (``list(range(t.dim()))`` when it is contiguous
+    itself), else ``None``."""
+    if t.is_contiguous():
+        return list(range(t.dim()))
+    order = sorted(range(t.dim()), key=lambda i: -t.stride(i))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _inverse_permutation(order):
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return inverse
 
 
 def _scaled_product(gm, node, products):
@@ -1636,7 +1662,8 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         args.update(node.kwargs)
         A, x, out = _constant(gm, args["A"]), args["B"], _val(node)
         if (A is None or _constant(gm, x) is not None or not args.get("left", True)
-                or args.get("unitriangular", False) or not torch.is_tensor(out) or A.dim() < 2):
+                or args.get("unitriangular", False) or not torch.is_tensor(out) or A.dim() < 2
+                or _dense_order(out) is None):
             continue
         A64 = A.detach().to(torch.float64)
         if not (torch.linalg.cond(A64).max() * torch.finfo(out.dtype).eps <= _FOLDED_SOLVE_ERROR):
