@@ -887,16 +887,30 @@ def _keeps_element_order(node) -> bool:
     """Whether the permutation ``node`` moves only dimensions of size 1, so that its result
     holds its input's elements in the same order: a reshape."""
     src = _val(node.args[0])
-    if node.target is aten.permute.default:
-        perm = list(node.args[1])
-    else:
-        dims = (0, 1) if node.target is aten.t.default else node.args[1:3]
-        perm = list(range(src.dim()))
-        if perm:
-            a, b = (d % src.dim() for d in dims)
-            perm[a], perm[b] = perm[b], perm[a]
-    moved = [d % max(src.dim(), 1) for d in perm if src.shape[d] != 1]
+    moved = [d for d in _permutation(node) if src.shape[d] != 1]
     return moved == sorted(moved)
+
+
+def _permutation(node) -> Optional[List[int]]:
+    """The dimensions of ``node``'s input that ``node`` (a permute, ``t`` or ``transpose``)
+    puts in each place of its result, or ``None`` where its input's rank is not known."""
+    src = _val(node.args[0])
+    if not torch.is_tensor(src):
+        return None
+    rank = src.dim()
+    if node.target is aten.permute.default:
+        return [d % max(rank, 1) for d in node.args[1]]
+    order = list(range(rank))
+    if rank >= 2:
+        a, b = (0, 1) if node.target is aten.t.default else (d % rank for d in node.args[1:3])
+        order[a], order[b] = order[b], order[a]
+    return order
+
+
+def _is_permutation_of_permutation(node) -> bool:
+    src = node.args[0]
+    return (isinstance(src, torch.fx.Node) and src.op == "call_function" and src.target in _PERMUTES
+            and _permutation(node) is not None and _permutation(src) is not None)
 
 
 def _is_masked_fill(node) -> bool:
@@ -969,6 +983,17 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 and _keeps_element_order(node):
             # a permutation of unit dimensions is a reshape (collapsed into the one below)
             node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], list(_val(node).shape)), {}
+        if node.target in _PERMUTES and _is_permutation_of_permutation(node):
+            # permute(permute(x)) -> one permute of x, or x itself where they cancel (the
+            # gradient of `x @ W.T` transposes W's gradient back)
+            inner, source = _permutation(node.args[0]), node.args[0].args[0]
+            composed = [inner[d] for d in _permutation(node)]
+            if composed == sorted(composed):
+                if not _written_through(node):
+                    node.replace_all_uses_with(source)
+                    graph.erase_node(node)
+                continue
+            node.target, node.args, node.kwargs = aten.permute.default, (source, composed), {}
         # view(view(x)) -> view(x): a reshape of a reshape only needs the final shape
         if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
             src = node.args[0]

@@ -919,6 +919,29 @@ def test_permutations_of_unit_dimensions_become_reshapes():
             assert torch.allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
+def test_permutations_of_permutations_compose():
+    """The gradient of ``Z @ W.T`` (probabilistic PCA, a linear layer) transposes W's
+    gradient back: ``t`` after ``t`` (or a ``permute`` that undoes a ``transpose``) is no op,
+    and a chain of permutations is one; the values and their layout stay."""
+
+    def fn(w, x):
+        y = (x @ w.t()).t().permute(1, 0)  # cancels: x @ w.T
+        u = x.reshape(2, 3, 10).permute(2, 0, 1).transpose(0, 1)  # one permute: (0, 2, 1)
+        return y.exp(), u * 2, w.t().t() + 1
+
+    w, x = torch.randn(5, 6), torch.randn(10, 6)
+    gm = tracing.trace(fn, (w, x), check_escapes=False)
+    permutes = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.permute.default, torch.ops.aten.t.default,
+                                                         torch.ops.aten.transpose.int)]
+    assert [(n.target, n.args[1:]) for n in permutes] == [
+        (torch.ops.aten.t.default, ()),  # the product's own w.T
+        (torch.ops.aten.permute.default, ([0, 2, 1],)),
+    ]
+    for ours, eager in zip(gm(w, x), fn(w, x)):
+        assert ours.shape == eager.shape and ours.stride() == eager.stride()
+        assert torch.equal(ours, eager)
+
+
 def test_solves_against_constant_matrices_become_one_product():
     """The 2-D Gaussian's gradient solves with its constant Cholesky factor forward and back,
     on z viewed as a column: one matrix-vector product with the composed constant matrix (the
