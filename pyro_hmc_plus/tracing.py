@@ -370,6 +370,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
     if _has_scalars_to_take_out(gm.graph):  # (copying and finishing a 1,800-op graph takes ~0.3 s)
         gm = fewest(gm, finished(copied(gm), (pull_scalars_out_of_sums, gather_scalar_factors)))
     copy_written_constants(gm, recompile=False)
+    gm.graph.lint()
     gm = torch.fx.GraphModule(gm, gm.graph)
     gm.meta["elements_touched"] = elements_touched(gm)
     if not fake:  # the recorded values: no longer needed, and as large as the model's data
@@ -765,17 +766,17 @@ def _constant_node(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor) -
 
 
 def _graph_pass(rewrite):
-    """A pass over an FX graph module: ``rewrite(gm)`` changes its graph in place; then the
-    graph is checked (``lint``) and, unless ``recompile=False``, the module's Python code is
-    generated anew, which a call of the module needs. :func:`trace` runs its passes in a row
-    and generates the code once: on a gradient of thousands of operations each generation
-    takes ~0.25 s."""
+    """A pass over an FX graph module: ``rewrite(gm)`` changes its graph in place; then,
+    unless ``recompile=False``, the graph is checked (``lint``) and the module's Python code
+    is generated anew, which a call of the module needs. :func:`trace` runs its passes in a
+    row and checks and generates the code once: on a gradient of thousands of operations
+    each generation takes ~0.25 s, and each check of a 40,000-node graph ~0.05 s."""
 
     @functools.wraps(rewrite)
     def run(gm: torch.fx.GraphModule, recompile: bool = True) -> torch.fx.GraphModule:
         rewrite(gm)
-        gm.graph.lint()
         if recompile:
+            gm.graph.lint()
             gm.recompile()
         return gm
 
@@ -839,7 +840,7 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             attr = _constant_node(gm, "_folded_", value.detach().clone() if value._is_view() else value.detach())
         for user in users:
             user.replace_input_with(node, attr)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 def _val(node):
@@ -1004,7 +1005,7 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 if _is_value_identity(node) and not _written_through(node):  # e.g. a column and back
                     node.replace_all_uses_with(node.args[0])
                     graph.erase_node(node)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 _ADDS = {aten.add.Tensor, aten.add.Scalar}
@@ -1208,7 +1209,7 @@ def fold_linear_chains(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             new.meta["val"] = _val(node)
         node.replace_all_uses_with(new)
         replacement[node] = new
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 def _scalar_operand(arg, like: torch.Tensor) -> bool:
@@ -1352,7 +1353,7 @@ def pull_scalars_out_of_sums(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 total = rebuild(graph, total)
         node.replace_all_uses_with(total)
         graph.erase_node(node)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 @_graph_pass
@@ -1406,7 +1407,7 @@ def gather_scalar_factors(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 new = _new_op(graph, aten.mul.Tensor, new, numbers)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 def _is_pointwise(node) -> bool:
@@ -1483,7 +1484,7 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             broadcast.meta["val"] = out
         node.replace_all_uses_with(broadcast)
         graph.erase_node(node)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 def _row_index(gm: torch.fx.GraphModule, indices) -> Optional[torch.fx.Node]:
@@ -1662,7 +1663,7 @@ def fold_support_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 attr = _constant_node(gm, "_support_mask_", torch.full(_val(node).shape, value, device=_val(node).device))
             node.replace_all_uses_with(attr)
         graph.erase_node(node)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 @_graph_pass
@@ -1704,7 +1705,7 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         node.replace_all_uses_with(product)
         graph.erase_node(node)
         inverse_of[product] = (matrix, x)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 def target_is_check(node) -> bool:
@@ -1772,7 +1773,7 @@ def merge_duplicate_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if earlier is not node:
             node.replace_all_uses_with(earlier)
             graph.erase_node(node)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
 
 
 _MIN_GROUP = 4  # fewer alike ops are left as they are: stacking their operands costs about as much
@@ -1941,12 +1942,12 @@ def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
     _concatenate_rows_at_once(graph, row_of)
     if not _reorder(graph, rank):
         return
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
     # once the rows that no one reads are gone: where a group was the steps of several sums
     # at once (a loop of sites: the potential's and its gradient's), each step of the
     # vectorized sum had them as users until then, so it was no chain of adds used once
     _sum_rows_at_once(graph, row_of)
-    graph.eliminate_dead_code(is_impure_node=_is_impure)
+    _eliminate_dead_code(graph)
     if operations(graph) >= operations(gm.graph):
         return
     for name, buffer in work.named_buffers():
@@ -2355,6 +2356,17 @@ def _returns_view(node) -> bool:
     if not isinstance(node.target, torch._ops.OpOverload):
         return False
     return any(r.alias_info is not None for r in node.target._schema.returns)
+
+
+def _eliminate_dead_code(graph: torch.fx.Graph) -> None:
+    """Erase the nodes whose results nothing uses, except error checks (:func:`_is_impure`).
+    FX's ``eliminate_dead_code`` does the same but first checks the whole graph's
+    consistency and asks every node, used or not, about side effects: on the 40,000-node
+    graph of a model with 1,000 sample sites, ~0.15 s a call, and the passes call it ~25
+    times."""
+    for node in reversed(graph.nodes):
+        if not node.users and not _is_impure(node):
+            graph.erase_node(node)
 
 
 def _is_impure(node) -> bool:
