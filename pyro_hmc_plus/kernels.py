@@ -192,6 +192,13 @@ class HMC(MCMCKernel):
             raise ValueError("need 0 < min_stepsize < max_stepsize")
         if not (full_mass in (True, False) or isinstance(full_mass, list)):
             raise ValueError("full_mass must be True, False or a list of tuples of site names")
+        if max_plate_nesting is not None and not (isinstance(max_plate_nesting, numbers.Integral)
+                                                  and max_plate_nesting >= 0):
+            raise ValueError(f"max_plate_nesting must be a non-negative integer (or None: found by running "
+                             f"the model), got {max_plate_nesting!r}")
+        if not callable(init_strategy):
+            raise ValueError(f"init_strategy must be a function of a sample site, such as "
+                             f"pyro.infer.autoguide.init_to_median, got {init_strategy!r}")
         if max_unroll < 1:
             raise ValueError("max_unroll must be at least 1")
         GradientEngine.check_name(engine)

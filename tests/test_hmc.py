@@ -361,6 +361,10 @@ def test_bad_arguments_get_clear_errors():
         HMC(gauss2d, not_an_argument=1)
     with pytest.raises(ValueError, match="full_mass"):
         run(HMC(gauss2d, full_mass=[("nope",)]), 5, 5)
+    with pytest.raises(ValueError, match="max_plate_nesting must be a non-negative integer .* got -1"):
+        HMC(gauss2d, max_plate_nesting=-1)  # Pyro's kernel fails at setup with a bare AssertionError
+    with pytest.raises(ValueError, match="init_strategy must be a function of a sample site"):
+        HMC(gauss2d, init_strategy="median")  # Pyro's: TypeError: 'str' object is not callable, at setup
 
 
 def test_non_finite_initial_params_are_rejected():
