@@ -118,6 +118,8 @@ class MCMC(pyro.infer.MCMC):
         warmup_steps = None if warmup_steps is None else int(warmup_steps)
         if leaves_per_call < 1:
             raise ValueError("leaves_per_call must be at least 1")
+        if hook_fn is not None and not callable(hook_fn):  # Pyro's MCMC calls it after the first draw
+            raise ValueError(f"hook_fn must be a function hook_fn(kernel, params, stage, i), got {hook_fn!r}")
         unbatched = [k for k, v in (initial_params or {}).items() if torch.as_tensor(v).dim() == 0]
         if num_chains > 1 and unbatched:  # Pyro's own check of the chain dimension fails with an IndexError
             raise ValueError(

@@ -268,6 +268,12 @@ def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
     """Raise a clear error unless every latent site (each has a transform) has a given
     initial value and each has the shape of its site in unconstrained space (Pyro itself
     does not check: a missing site failed later with a bare ``KeyError``)."""
+    unknown = sorted(name for name in initial_params if name not in transforms)
+    if unknown:  # a misspelt site's value, where the check below would only miss the right one
+        raise ValueError(
+            f"initial_params has values for {unknown}, which are not continuous latent sites of the model "
+            f"(those are {sorted(transforms)})"
+        )
     missing = sorted(set(transforms) - set(initial_params))
     if missing:
         raise ValueError(
@@ -275,10 +281,7 @@ def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
             f"site of the model ({sorted(transforms)})"
         )
     for name, value in initial_params.items():
-        node = prototype_trace.nodes.get(name)
-        if node is None:
-            raise ValueError(f"initial_params has a value for {name!r}, which is not a latent site of the model")
-        prototype = node["value"]
+        prototype = prototype_trace.nodes[name]["value"]
         expected = (transforms[name](prototype) if name in transforms else prototype).shape
         if torch.as_tensor(value).shape != expected:
             raise ValueError(

@@ -525,6 +525,8 @@ def test_invalid_arguments():
         MCMC(pyro.infer.NUTS(gauss2d), 10, chain_method="vectorized")
     with pytest.raises(ValueError, match="leading dimension"):
         MCMC(NUTS(gauss2d), 10, num_chains=3, initial_params={"q": torch.zeros(2, 2)})
+    with pytest.raises(ValueError, match="hook_fn must be a function"):  # Pyro's: TypeError after the first draw
+        MCMC(NUTS(gauss2d), 10, hook_fn="print")
     for num_samples in (0, -5, 2.5):  # Pyro's MCMC: ZeroDivisionError after the warmup
         with pytest.raises(ValueError, match="num_samples must be a positive integer"):
             MCMC(NUTS(gauss2d), num_samples)

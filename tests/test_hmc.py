@@ -377,6 +377,8 @@ def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_c
     "Model specification seems incorrect" with nothing about what to check."""
     with pytest.raises(ValueError, match=r"no value for \['rate'\]: .* \(\['mu', 'rate'\]\)"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0)})
+    with pytest.raises(ValueError, match=r"values for \['rtae'\], which are not continuous latent sites .*\['mu', 'rate'\]\)"):
+        run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0), "rtae": torch.tensor(0.0)})
     with pytest.raises(ValueError, match="not finite at any initial point .* check the model's data"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([1.0, -1.0]))  # a Poisson count below 0
 
