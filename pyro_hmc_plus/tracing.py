@@ -76,7 +76,21 @@ class LatentTaint(TorchFunctionMode):
                 f"the potential uses {_ESCAPES[name]} a value computed from the latent "
                 "variables, so one trace cannot stand for every point"
             )
+        if name == "__setitem__" and _is_masked_write(*args) and self._recorder.computed_from_inputs([args[1]]):
+            # x[mask] = v with a mask of x's shape, computed from the latents: torch reads a
+            # 0-dim mask with item() and counts a larger one's elements; as `where`, the same
+            # values with no number (Pyro's safe_normalize, under ProjectedNormalReparam)
+            target, mask, value = args
+            return target.copy_(torch.where(mask, torch.as_tensor(value, dtype=target.dtype), target))
         return func(*args, **kwargs)
+
+
+def _is_masked_write(target=None, index=None, value=None, *rest) -> bool:
+    """Whether ``target[index] = value`` writes a number (or a 0-d tensor) where ``index``, a
+    boolean tensor of ``target``'s shape, is true."""
+    return (not rest and torch.is_tensor(target) and torch.is_tensor(index) and index.dtype == torch.bool
+            and index.shape == target.shape
+            and (isinstance(value, (int, float)) or (torch.is_tensor(value) and value.dim() == 0)))
 
 
 class _AtenRecorder(TorchDispatchMode):

@@ -7,6 +7,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro.infer import MCMC
+from pyro.infer.reparam import ProjectedNormalReparam
 
 from pyro_hmc_plus import HMC, NUTS, EngineFallbackWarning, SamplingWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
 import pyro_hmc_plus
@@ -79,6 +80,30 @@ def test_selections_whose_shapes_the_data_fix_are_traced():
         return (x[mask] ** 2).sum() + x[x.argsort()].cumsum(0).pow(2).sum() + x.masked_select(mask).sum()
 
     _assert_traced_with_eagers_values(from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2, 1.0])}))
+
+
+def test_writes_through_masks_computed_from_the_latents_are_traced():
+    """``x[mask] = c`` with a mask of ``x``'s shape computed from the latent variables is a
+    ``where``: torch reads a 0-dim mask with ``item()`` and counts a larger one's elements
+    (both refused, so the model fell back to eager autograd). Pyro's ``safe_normalize``
+    writes so under ``ProjectedNormalReparam``. The masks are true at one point and false at
+    the other for some elements: eager's values at both."""
+
+    def fn(p):
+        y = p["x"] * 1.0
+        y[y.abs() > 0.8] = 0.0
+        w = p["x"][2] * 1.0
+        w[w < 0.5] = 2.0  # a 0-dim mask
+        return (y**2).sum() + w * p["x"].sum()
+
+    _assert_traced_with_eagers_values(from_potential_fn(fn, {"x": torch.tensor([0.5, -0.2, 1.0])}))
+
+    def directional():
+        loc = pyro.sample("loc", dist.ProjectedNormal(torch.zeros(3)))
+        pyro.sample("angle", dist.VonMises(torch.atan2(loc[1], loc[0]), 2.0), obs=torch.tensor(0.5))
+
+    reparam = pyro.poutine.reparam(directional, config={"loc": ProjectedNormalReparam()})
+    _assert_traced_with_eagers_values(from_model(reparam))
 
 
 def test_loops_over_a_latent_tensors_length_are_traced():
