@@ -282,7 +282,7 @@ def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
         )
     for name, value in initial_params.items():
         prototype = prototype_trace.nodes[name]["value"]
-        expected = (transforms[name](prototype) if name in transforms else prototype).shape
+        expected = transforms[name](prototype).shape  # every name has one (checked above)
         if torch.as_tensor(value).shape != expected:
             raise ValueError(
                 f"initial value of site {name!r} has shape {tuple(torch.as_tensor(value).shape)}, "

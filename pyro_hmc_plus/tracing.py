@@ -76,7 +76,8 @@ class LatentTaint(TorchFunctionMode):
                 f"the potential uses {_ESCAPES[name]} a value computed from the latent "
                 "variables, so one trace cannot stand for every point"
             )
-        if name == "__setitem__" and _is_masked_write(*args) and self._recorder.computed_from_inputs([args[1]]):
+        if name == "__setitem__" and len(args) == 3 and _is_masked_write(*args) \
+                and self._recorder.computed_from_inputs([args[1]]):
             # x[mask] = v with a mask of x's shape, computed from the latents: torch reads a
             # 0-dim mask with item() and counts a larger one's elements; as `where`, the same
             # values with no number (Pyro's safe_normalize, under ProjectedNormalReparam)
@@ -85,10 +86,10 @@ class LatentTaint(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _is_masked_write(target=None, index=None, value=None, *rest) -> bool:
+def _is_masked_write(target, index, value) -> bool:
     """Whether ``target[index] = value`` writes a number (or a 0-d tensor) where ``index``, a
     boolean tensor of ``target``'s shape, is true."""
-    return (not rest and torch.is_tensor(target) and torch.is_tensor(index) and index.dtype == torch.bool
+    return (torch.is_tensor(target) and torch.is_tensor(index) and index.dtype == torch.bool
             and index.shape == target.shape
             and (isinstance(value, (int, float)) or (torch.is_tensor(value) and value.dim() == 0)))
 
@@ -1547,11 +1548,13 @@ def _constant(gm, node):
     return None
 
 
-def _product(gm, matrix: torch.Tensor, x, like):
+def _product(gm, matrix: torch.Tensor, x, like, order):
     """A node computing ``matrix @ x`` (``matrix`` a constant) by the cheapest call: ``mv``
     where ``x`` is a vector viewed as a ``(1, ..., D, 1)`` column and ``matrix`` has no batch
     (a distribution's Mahalanobis form of one point), reshaped back; ``bmm`` where both are
-    3-D with the same batch size; else ``matmul``."""
+    3-D with the same batch size; else ``matmul``. Its result is laid out as ``like`` (the
+    solve's result), whose dimensions from the largest stride to the smallest are ``order``
+    (:func:`_dense_order`)."""
     graph = gm.graph
 
     def constant(value):
@@ -1573,7 +1576,6 @@ def _product(gm, matrix: torch.Tensor, x, like):
         return call(aten.reshape.default, (vector, list(like.shape)), like)
     bmm = matrix.dim() == 3 and torch.is_tensor(xv) and xv.dim() == 3 and xv.shape[0] == matrix.shape[0]
     product = call(aten.bmm.default if bmm else aten.matmul.default, (constant(matrix), x), like.contiguous())
-    order = _dense_order(like)
     if order == list(range(like.dim())):
         return product
     # the solve's strides (column-major, as LAPACK writes), which the views after it were
@@ -1595,10 +1597,7 @@ def _dense_order(t: torch.Tensor):
 
 
 def _inverse_permutation(order):
-    inverse = [0] * len(order)
-    for position, dim in enumerate(order):
-        inverse[dim] = position
-    return inverse
+    return sorted(range(len(order)), key=order.__getitem__)
 
 
 def _scaled_product(gm, node, products):
@@ -1701,9 +1700,9 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         args = dict(zip(("A", "B", "upper", "left", "unitriangular"), node.args))
         args.update(node.kwargs)
         A, x, out = _constant(gm, args["A"]), args["B"], _val(node)
+        order = _dense_order(out) if torch.is_tensor(out) else None  # the layout the product must have
         if (A is None or _constant(gm, x) is not None or not args.get("left", True)
-                or args.get("unitriangular", False) or not torch.is_tensor(out) or A.dim() < 2
-                or _dense_order(out) is None):
+                or args.get("unitriangular", False) or order is None or A.dim() < 2):
             continue
         A64 = A.detach().to(torch.float64)
         if not (torch.linalg.cond(A64).max() * torch.finfo(out.dtype).eps <= _FOLDED_SOLVE_ERROR):
@@ -1715,7 +1714,7 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             inner_matrix, x = inner
             matrix = matrix @ inner_matrix
         with graph.inserting_before(node):
-            product = _product(gm, matrix, x, out)
+            product = _product(gm, matrix, x, out, order)
         node.replace_all_uses_with(product)
         graph.erase_node(node)
         inverse_of[product] = (matrix, x)
