@@ -156,6 +156,7 @@ class GradientEngine:
         self._batched_graphs = {}  # batch size -> graph (or None: not vmappable)
         self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
         self._gradient_functions = {}  # shape of z -> TorchScript function of value_and_grad
+        self._check_point_values = None  # see _at_check_points
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -163,10 +164,8 @@ class GradientEngine:
             except tracing.UntraceableModel as e:
                 self._fall_back(f"{e}", e.eager_is_correct)
         if self._graph is not None:
-            problem = self._check(
-                self._graph, self.eager_value_and_grad, [(z,) for z in self._gradient_points()],
-                "the traced potential disagrees with Pyro's eager potential",
-            )
+            problem = self._check(self._graph, self._at_check_points(),
+                                  "the traced potential disagrees with Pyro's eager potential")
             if problem is not None:
                 self._fall_back(problem)
 
@@ -180,15 +179,31 @@ class GradientEngine:
         if self._graph is None:  # the eager path runs the model itself: nothing baked in
             return True
         with pyro.validation_enabled(False):
-            return self._check(self._graph, flat.value_and_grad, [(flat.initial_z,)], "") is None
+            return self._check(self._graph, self._reference_cases(flat.value_and_grad, [(flat.initial_z,)]), "") is None
 
-    def _gradient_points(self):
+    def _check_points(self):
         """Where the traced gradient is checked against Pyro's: the initial point and two
         random points around it, from a private generator (the user's random stream is
         untouched)."""
         z = self.flat.initial_z
         gen = torch.Generator(device=z.device).manual_seed(0)
         return [z] + [z + torch.empty_like(z).uniform_(-2, 2, generator=gen) for _ in range(_GRADIENT_CHECKS)]
+
+    def _at_check_points(self):
+        """``[((z,), (U, dU/dz))]``: Pyro's eager potential and gradient at each of the check
+        points where the model evaluates, computed once (one eager gradient of a model with
+        a 500-step loop takes ~0.3 s)."""
+        if self._check_point_values is None:
+            points = [(z,) for z in self._check_points()]
+            self._check_point_values = list(self._reference_cases(self.eager_value_and_grad, points))
+        return self._check_point_values
+
+    @property
+    def check_gradients(self):
+        """Pyro's eager gradient, ``(D,)``, at each of the points where the traced one is
+        checked (the initial point and two random points near it) where the model
+        evaluates: the kernels look there for coordinates that U does not depend on."""
+        return [g for _, (_, g) in self._at_check_points()]
 
     # ------------------------------------------------------------------ gradient
     def value_and_grad(self, z: torch.Tensor):
@@ -280,7 +295,7 @@ class GradientEngine:
         key = self._aot_key(cache_key, examples) if self.use_aot_cache and cache_key is not None else None
         cached = self._load_cached(key) if key is not None else None
         if cached is not None:
-            if self._check(cached, reference, validation_inputs, _PROGRAM_MISMATCH) is None:
+            if self._check(cached, self._reference_cases(reference, validation_inputs), _PROGRAM_MISMATCH) is None:
                 return cached
             self.rejected_compiled_programs += 1
         if self.name in ("aot", "inductor"):
@@ -300,12 +315,12 @@ class GradientEngine:
 
     def _value_and_grad_program(self, z: torch.Tensor):
         """``value_and_grad(z)`` run as a traced program, one per shape of ``z``, recorded at
-        (and checked at) the gradient's check points (:meth:`_gradient_points`), where the
+        (and checked at) the gradient's check points (:meth:`_check_points`), where the
         model is known to evaluate."""
         shape = tuple(z.shape)
         program = self._gradient_programs.get(shape)
         if program is None:
-            points = [(point.expand(shape).clone(),) for point in self._gradient_points()]
+            points = [(point.expand(shape).clone(),) for point in self._check_points()]
             program = self._traced_program(lambda value_and_grad, x: value_and_grad(x), points[0], points)
             self._gradient_programs[shape] = program
         return program(z)
@@ -348,7 +363,8 @@ class GradientEngine:
         problem = None
         for program in (_compile.static_runtime(traced, examples), traced):  # the faster executor first
             if program is not None:
-                problem = self._check(program, self._reference(fn), validation_inputs, _PROGRAM_MISMATCH)
+                problem = self._check(program, self._reference_cases(self._reference(fn), validation_inputs),
+                                      _PROGRAM_MISMATCH)
                 if problem is None:
                     return program
         self._fall_back(problem)
@@ -385,19 +401,27 @@ class GradientEngine:
             compiled = self._first_that_runs(lambda inputs: self._inductor(gm, inputs), candidates)
         if compiled is None:
             return None
-        if self._check(compiled, reference, validation_inputs, _PROGRAM_MISMATCH) is None:
+        if self._check(compiled, self._reference_cases(reference, validation_inputs), _PROGRAM_MISMATCH) is None:
             return compiled
         self.rejected_compiled_programs += 1
         return None
 
-    def _check(self, actual_fn, reference_fn, validation_inputs, mismatch: str):
-        """``None`` if ``actual_fn`` agrees with ``reference_fn`` at every validation input,
-        else what is wrong (``mismatch`` says what disagrees with what)."""
+    @staticmethod
+    def _reference_cases(reference_fn, validation_inputs):
+        """``(inputs, reference_fn(*inputs))`` for each of ``validation_inputs`` where the
+        reference evaluates: where the model itself fails there is nothing to compare."""
         for inputs in validation_inputs:
             try:
                 expected = reference_fn(*inputs)
             except RuntimeError:
-                continue  # the model itself fails at this point: nothing to compare
+                continue
+            yield inputs, expected
+
+    def _check(self, actual_fn, cases, mismatch: str):
+        """``None`` if ``actual_fn(*inputs)`` agrees with ``expected`` for every ``(inputs,
+        expected)`` of ``cases`` (:meth:`_reference_cases`), else what is wrong
+        (``mismatch`` says what disagrees with what)."""
+        for inputs, expected in cases:
             try:
                 actual = actual_fn(*inputs)
             except RuntimeError as e:

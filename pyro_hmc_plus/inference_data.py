@@ -41,7 +41,9 @@ _STAT_DTYPES = {"diverging": bool, "reached_max_treedepth": bool, "tree_depth": 
 
 
 class SamplingWarning(UserWarning):
-    """The run's diagnostics say its draws should not be trusted as they are."""
+    """The run's diagnostics say its draws should not be trusted as they are; or, at a
+    kernel's setup, the potential energy does not depend on some coordinates (the posterior
+    is improper along them)."""
 
 
 def chain_sample_stats(mcmc) -> List[dict]:
@@ -559,12 +561,12 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     low_tail = _names_where(ess_tail, lambda x: x < floor)
     if high_rhat:
         problems.append(
-            f"R-hat above {RHAT_THRESHOLD} for {_listing(high_rhat)} (largest {max_rhat:.4f}): the chains "
+            f"R-hat above {RHAT_THRESHOLD} for {listing(high_rhat)} (largest {max_rhat:.4f}): the chains "
             "disagree; run longer or check for multimodality"
         )
     if low_bulk or low_tail:
         problems.append(
-            f"ESS below {ESS_PER_CHAIN} per chain for {_listing(sorted(set(low_bulk) | set(low_tail)))}: "
+            f"ESS below {ESS_PER_CHAIN} per chain for {listing(sorted(set(low_bulk) | set(low_tail)))}: "
             "estimates are noisy; run more draws (or reparametrise if the chains mix slowly)"
         )
     report = RunDiagnostics(num_chains, num_draws, divergences, hits, ebfmi, max_rhat, high_rhat, low_bulk,
@@ -574,7 +576,7 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     return report
 
 
-def _listing(names: List[str], limit: int = 5) -> str:
+def listing(names: List[str], limit: int = 5) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 

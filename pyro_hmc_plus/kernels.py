@@ -15,8 +15,10 @@ from pyro.infer.autoguide.initialization import init_to_uniform
 from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from . import adaptation, chain_batch, nuts, potential, rounds
+from ._warn import warn_user
 from .engine import GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
+from .inference_data import SamplingWarning, listing
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
@@ -115,6 +117,24 @@ def _args_key(args, kwargs):
         v = a[1] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) else a
         key.append((id(v), v._version if torch.is_tensor(v) else None))
     return (tuple(key), torch.get_default_dtype())
+
+
+def _warn_of_flat_coordinates(layout: potential.SiteLayout, engine: GradientEngine) -> None:
+    """A :class:`SamplingWarning` before the run, naming the coordinates the potential energy
+    does not depend on (:func:`potential.flat_coordinates` at the engine's check points):
+    the posterior is improper along them, and a run costs ``2**max_tree_depth`` gradients a
+    draw without converging."""
+    names = potential.flat_coordinates(layout, engine.check_gradients)
+    if names:
+        warn_user(
+            f"the potential energy does not depend on {listing(names)} (unconstrained coordinates; its "
+            f"gradient there is 0 at {len(engine.check_gradients)} points): the posterior is flat along them, so "
+            "improper, and the sampler will run every trajectory to its maximum length without converging. Give "
+            "them a density (a proper prior or a likelihood term) or leave them out of the model: a site has none "
+            "where it is masked out, as `pyro.sample(name, d, obs=y, obs_mask=m)`'s `name_unobserved` site "
+            "at the observed entries (sample only the missing ones instead), or `d.mask(False)`",
+            SamplingWarning,
+        )
 
 
 class HMC(MCMCKernel):
@@ -335,6 +355,7 @@ class HMC(MCMCKernel):
             self._engines = {key: GradientEngine(flat, self.engine)}
             self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
             self._programs = {}  # programs of another model or data
+            _warn_of_flat_coordinates(flat.layout, self._engines[key])
         self._engine = self._engines[key]
         self._flat = flat
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)

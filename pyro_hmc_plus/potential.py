@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Dict, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 import pyro
 import torch
@@ -50,6 +50,20 @@ class SiteLayout(NamedTuple):
         start = dict(zip(self.names, itertools.accumulate((0,) + self.sizes[:-1])))
         size = dict(zip(self.names, self.sizes))
         return [i for name in names for i in range(start[name], start[name] + size[name])]
+
+    def coordinate_names(self, chosen: torch.Tensor) -> List[str]:
+        """Names of the flat coordinates where ``chosen`` (bool, ``(D,)``) is true: ``site`` for a
+        one-element site, else ``site[i,j]``, the index in the site's unconstrained shape."""
+        names, start = [], 0
+        for name, shape, size in zip(self.names, self.shapes, self.sizes):
+            flat_indices = torch.nonzero(chosen[start:start + size]).flatten()
+            if size == 1:
+                names += [name] * len(flat_indices)
+            else:
+                indices = torch.stack(torch.unravel_index(flat_indices, shape), -1).tolist()
+                names += [f"{name}[{','.join(map(str, index))}]" for index in indices]
+            start += size
+        return names
 
     def pack(self, params: Dict[str, torch.Tensor], batch_shape=()) -> torch.Tensor:
         """A dict of site tensors of shape ``batch_shape + site_shape`` -> ``batch_shape + (D,)``."""
@@ -307,6 +321,20 @@ def from_potential_fn(potential_fn: Callable, initial_params, transforms=None) -
     flat = FlatPotential(potential_fn, layout, transforms or {}, z0, source="potential_fn")
     check_initial_point(flat, z0)
     return flat
+
+
+def flat_coordinates(layout: SiteLayout, gradients: Sequence[torch.Tensor]) -> List[str]:
+    """Names (:meth:`SiteLayout.coordinate_names`) of the unconstrained coordinates that ``U``
+    does not depend on: its gradient in them is exactly 0 in every one of ``gradients``
+    (each ``(D,)``, at different points; two at least, or nothing is named). The posterior is
+    flat along such a coordinate, so improper: a trajectory moving along it never turns
+    back, every NUTS tree runs to ``max_tree_depth``, and the coordinate's draws drift
+    without bound. Pyro gives a site no density where it is masked out: the
+    ``name_unobserved`` site of ``pyro.sample(name, ..., obs_mask=mask)`` at the observed
+    entries, ``.mask(False)``, ``ImproperUniform`` with no likelihood term."""
+    if len(gradients) < 2:
+        return []
+    return layout.coordinate_names((torch.stack(list(gradients)) == 0).all(0))
 
 
 def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ are fixed, so each test is deterministic.
 """
 
 import pickle
+import warnings
 
 import arviz as az
 import numpy as np
@@ -381,6 +382,47 @@ def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_c
         run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0), "rtae": torch.tensor(0.0)})
     with pytest.raises(ValueError, match="not finite at any initial point .* check the model's data"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([1.0, -1.0]))  # a Poisson count below 0
+
+
+def _missing_values(y, observed):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y, obs_mask=observed)
+
+
+@pytest.mark.parametrize("kernel_class", [HMC, NUTS])
+def test_coordinates_the_potential_does_not_depend_on_are_named_before_the_run(kernel_class):
+    """Pyro's ``obs_mask`` gives its ``y_unobserved`` site no density at the observed entries:
+    the posterior is flat along them, and NUTS runs every tree to its maximum depth. The
+    warning names exactly those entries, at setup; with every entry missing, none."""
+    y = torch.tensor([0.3, -1.0, 2.0, 0.5, 1.5])
+    observed = torch.tensor([True, False, True, True, False])
+    with pytest.warns(pyro_hmc_plus.SamplingWarning) as caught:
+        kernel_class(_missing_values).setup(0, y, observed)
+    assert [str(w.message).split(" (")[0] for w in caught] == [
+        "the potential energy does not depend on y_unobserved[0], y_unobserved[2], y_unobserved[3]"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
+        kernel_class(_missing_values).setup(0, y, torch.zeros(5, dtype=torch.bool))
+
+
+def test_points_where_the_model_fails_say_nothing_about_flat_coordinates():
+    """The model's Cholesky fails at both random check points: only the initial point's
+    gradient is left, where c's is 0 (as r's could be at a symmetric starting point), and
+    one point is not enough to call c flat."""
+    def U(p):
+        sign = 1 - 2 * (p["r"] != 0.3).to(p["r"].dtype)
+        return torch.linalg.cholesky(sign * torch.eye(2)).diagonal().sum() + p["r"] ** 2 + 0 * p["c"]
+
+    initial = {"r": torch.tensor(0.3), "c": torch.tensor(0.0)}
+    engine = pyro_hmc_plus.GradientEngine(pyro_hmc_plus.from_potential_fn(U, initial), "eager")
+    assert len(engine.check_gradients) == 1 and engine.check_gradients[0][0] == 0  # (c, r): c's is 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
+        kernel = HMC(potential_fn=U)
+        kernel.initial_params = initial
+        kernel.setup(0)
 
 
 def test_same_seed_same_draws():

@@ -6,7 +6,7 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.integrator import potential_grad
 
 from pyro_hmc_plus import SiteLayout, from_model, from_potential_fn
-from pyro_hmc_plus.potential import check_initial_point
+from pyro_hmc_plus.potential import check_initial_point, flat_coordinates
 
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools
 
@@ -84,6 +84,20 @@ def test_initial_values_outside_their_supports_name_the_site(values, site, shown
     flat = from_model(_scale_then_location, init_strategy=init_to_value(values={"scale": torch.tensor(2.0)}))
     unconstrained_scale = flat.layout.unpack(flat.initial_z)["scale"]
     assert flat.transforms["scale"].inv(unconstrained_scale).item() == pytest.approx(2.0, rel=1e-6)
+
+
+def test_flat_coordinates_are_those_the_potential_does_not_depend_on():
+    """Named in the sites' unconstrained shapes; a coordinate whose gradient vanishes at one
+    point only (b at 0, a[1,2] on one side of a ReLU) is not flat, and one point says nothing."""
+    def U(p):
+        return p["a"][0, 1] ** 2 + torch.relu(p["a"][1, 2]) + p["b"] ** 2 + 0 * p["c"].sum()
+
+    flat = from_potential_fn(U, {"a": torch.zeros(2, 3), "b": torch.tensor(0.0), "c": torch.zeros(2)})
+    gradients = [flat.value_and_grad(z)[1] for z in (flat.initial_z, flat.initial_z + 1, flat.initial_z - 0.5)]
+    expected = ["a[0,0]", "a[0,2]", "a[1,0]", "a[1,1]", "c[0]", "c[1]"]
+    assert flat_coordinates(flat.layout, gradients) == expected
+    assert flat_coordinates(flat.layout, gradients[:2]) == expected
+    assert flat_coordinates(flat.layout, gradients[:1]) == []
 
 
 def test_potential_must_be_scalar():
