@@ -376,11 +376,11 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         return _GraphInProgress(candidate, copy.deepcopy(candidate.graph))
 
     def fewest(*candidates):
-        return min(candidates, key=lambda c: operations(c.graph))  # the first of equals
+        return min(candidates, key=lambda c: cost(c.graph))  # the first of equals
 
     vectorized_first = finished(copied(gm), (vectorize_alike_ops,))
     gm = finished(gm)
-    if operations(vectorized_first.graph) < operations(gm.graph):  # a loop: worth a second try
+    if cost(vectorized_first.graph) < cost(gm.graph):  # a loop: worth a second try
         gm = fewest(vectorized_first, finished(copied(gm), (vectorize_alike_ops,)))
     if _has_scalars_to_take_out(gm.graph):  # (copying and finishing a 1,800-op graph takes ~0.3 s)
         gm = fewest(gm, finished(copied(gm), (pull_scalars_out_of_sums, gather_scalar_factors)))
@@ -1802,8 +1802,8 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     operands. A model written as a Python loop of one sample site per step (``for t in
     pyro.markov(range(T))``) computes each site's log-density, and its gradient, with the same
     few scalar ops, T times over: T x ~35 operations, each costing a microsecond of dispatch.
-    Ops are alike when they are elementwise (torch's ``pointwise`` tag) or sums over the same
-    dimensions, with the same target and non-tensor arguments, position by position operands
+    Ops are alike when they are elementwise (torch's ``pointwise`` tag), sums over the same
+    dimensions, or matrix functions (:data:`_MATRIX_FUNCTIONS`), with the same target and non-tensor arguments, position by position operands
     of the same shape and dtype, of one dtype (masks aside), and of the result's shape unless
     one node broadcast for them all; they are independent when at the
     same depth (longest path from the graph's inputs). A group's operand is the one node all
@@ -1812,7 +1812,7 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     result is then a row of the group's (a ``select``, dropped where no one needs it). The
     ops are then reordered so that each comes after its operands, keeping every in-place
     write after the reads before it and before the reads after it. Where that is impossible,
-    or the graph would not have fewer operations, the round leaves it as it was.
+    or the graph would not cost less (:func:`cost`), the round leaves it as it was.
 
     A second round groups alike ops that are independent wherever they lie (no path from
     one to another) and computed alike (the same ops three back), at least
@@ -1961,7 +1961,7 @@ def _vectorize_groups(gm: torch.fx.GraphModule, grouping) -> None:
     # vectorized sum had them as users until then, so it was no chain of adds used once
     _sum_rows_at_once(graph, row_of)
     _eliminate_dead_code(graph)
-    if operations(graph) >= operations(gm.graph):
+    if cost(graph) >= cost(gm.graph):
         return
     for name, buffer in work.named_buffers():
         if not hasattr(gm, name):
@@ -1973,6 +1973,13 @@ def operations(graph: torch.fx.Graph) -> int:
     """How many operations ``graph`` runs (its calls): what its fixed cost in a program is
     proportional to, at about a microsecond of dispatch each."""
     return sum(node.op == "call_function" for node in graph.nodes)
+
+
+def cost(graph: torch.fx.Graph) -> int:
+    """What running ``graph`` costs, in operations of dispatch: :func:`operations`, with each
+    matrix function (:data:`_MATRIX_FUNCTIONS`) counted as :data:`_MATRIX_FUNCTION_COST`."""
+    return operations(graph) + sum((_MATRIX_FUNCTION_COST - 1) * (node.op == "call_function" and node.target in _MATRIX_FUNCTIONS)
+                                   for node in graph.nodes)
 
 
 def _same_shape(a, b) -> bool:
@@ -2099,6 +2106,11 @@ def _broadcast_operands_shared(members: list) -> bool:
 
 
 _SUMS = {aten.sum.dim_IntList, aten.sum.default}
+# Functions of a matrix that map over leading dimensions: k of them on stacked matrices are
+# one batched call. torch's matrix exponential costs ~150 us a call for a 2 x 2 matrix
+# (choosing its Taylor degree reads the norm on the host), whatever the batch.
+_MATRIX_FUNCTIONS = {aten.linalg_matrix_exp.default}
+_MATRIX_FUNCTION_COST = 100  # operations of ~1 us
 
 
 def _summed_dims(node) -> list:
@@ -2123,6 +2135,11 @@ def _alike_key(node):
                 or len(node.args) > 3 or set(node.kwargs) - {"keepdim"}):  # no dtype argument
             return None
         return ("sum", tuple(_val(x).shape), _val(x).dtype, tuple(_summed_dims(node)), _keeps_dims(node))
+    if node.target in _MATRIX_FUNCTIONS:
+        x = node.args[0]
+        if len(node.args) > 1 or node.kwargs or not isinstance(x, torch.fx.Node) or _val(x).shape != out.shape:
+            return None
+        return (node.target, tuple(out.shape), out.dtype, (("tensor", out.dtype, tuple(out.shape)),), ())
     if not _is_pointwise(node):  # elementwise: k of them on stacked operands are one op
         return None
     pattern, dtypes = [], set()

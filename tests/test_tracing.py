@@ -727,6 +727,42 @@ def test_sums_and_concatenations_of_vectorized_rows_become_one_op_each():
             assert torch.allclose(a, b, rtol=1e-6)
 
 
+_ODE_TIMES = torch.linspace(0.5, 3.0, 6)
+
+
+def _linear_ode(y):
+    """A damped oscillator x(t) = expm(A t) x0 observed at six times, the solution of a linear
+    ODE (compartment models of pharmacokinetics are of this kind)."""
+    decay = pyro.sample("decay", dist.Normal(0.0, 1.0))
+    freq = pyro.sample("freq", dist.Normal(0.0, 2.0))
+    A = torch.stack([torch.stack([decay, freq]), torch.stack([-freq, decay])])
+    x = torch.stack([torch.linalg.matrix_exp(A * t) @ torch.tensor([1.0, 0.0]) for t in _ODE_TIMES])
+    pyro.sample("y", dist.Normal(x, 0.1).to_event(2), obs=y)
+
+
+def test_matrix_exponentials_at_several_times_are_one_batched_call(monkeypatch):
+    """torch's matrix exponential costs ~150 us a call even for a 2 x 2 matrix: the six of the
+    potential, and the six of its gradient, are one batched call each, counted as the
+    expensive ops they are (a vectorized round adds a stack and six selects); the same
+    potential and gradient as Pyro's at random points."""
+    y = torch.stack([torch.exp(-0.3 * t) * torch.stack([torch.cos(t), -torch.sin(t)]) for t in _ODE_TIMES])
+    flat = from_model(_linear_ode, (y,))
+
+    def matrix_exps(engine):
+        return sum(n.target is torch.ops.aten.linalg_matrix_exp.default for n in engine._graph.graph.nodes)
+
+    engine = GradientEngine(flat)
+    monkeypatch.setattr(tracing, "vectorize_alike_ops", lambda gm, recompile=True: gm)
+    unvectorized = GradientEngine(flat)
+    assert engine.name == unvectorized.name == "trace"
+    assert (matrix_exps(engine), matrix_exps(unvectorized)) == (2, 12)
+    gen = torch.Generator().manual_seed(1)
+    for z in flat.initial_z + 0.5 * torch.randn(3, flat.dim, generator=gen):
+        U_ref, g_ref = flat.value_and_grad(z)
+        U, g = engine.value_and_grad(z)  # (float32: the residuals over 0.1 amplify rounding)
+        assert torch.allclose(U, U_ref, rtol=1e-4) and torch.allclose(g, g_ref, rtol=1e-4, atol=1e-3)
+
+
 def test_vectorized_ops_keep_their_order_around_in_place_writes(monkeypatch):
     """Alike ops are reordered when computed at once; an in-place write keeps its place
     between the reads before it and those after it, and a result written in place stays a
