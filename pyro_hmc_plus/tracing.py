@@ -1803,7 +1803,8 @@ def vectorize_alike_ops(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     pyro.markov(range(T))``) computes each site's log-density, and its gradient, with the same
     few scalar ops, T times over: T x ~35 operations, each costing a microsecond of dispatch.
     Ops are alike when they are elementwise (torch's ``pointwise`` tag), sums over the same
-    dimensions, or matrix functions (:data:`_MATRIX_FUNCTIONS`), with the same target and non-tensor arguments, position by position operands
+    dimensions, or matrix functions (:data:`_MATRIX_FUNCTIONS`), with the same target and
+    non-tensor arguments, position by position operands
     of the same shape and dtype, of one dtype (masks aside), and of the result's shape unless
     one node broadcast for them all; they are independent when at the
     same depth (longest path from the graph's inputs). A group's operand is the one node all
@@ -1978,8 +1979,8 @@ def operations(graph: torch.fx.Graph) -> int:
 def cost(graph: torch.fx.Graph) -> int:
     """What running ``graph`` costs, in operations of dispatch: :func:`operations`, with each
     matrix function (:data:`_MATRIX_FUNCTIONS`) counted as :data:`_MATRIX_FUNCTION_COST`."""
-    return operations(graph) + sum((_MATRIX_FUNCTION_COST - 1) * (node.op == "call_function" and node.target in _MATRIX_FUNCTIONS)
-                                   for node in graph.nodes)
+    matrix_functions = sum(node.op == "call_function" and node.target in _MATRIX_FUNCTIONS for node in graph.nodes)
+    return operations(graph) + (_MATRIX_FUNCTION_COST - 1) * matrix_functions
 
 
 def _same_shape(a, b) -> bool:
@@ -2107,8 +2108,8 @@ def _broadcast_operands_shared(members: list) -> bool:
 
 _SUMS = {aten.sum.dim_IntList, aten.sum.default}
 # Functions of a matrix that map over leading dimensions: k of them on stacked matrices are
-# one batched call. torch's matrix exponential costs ~150 us a call for a 2 x 2 matrix
-# (choosing its Taylor degree reads the norm on the host), whatever the batch.
+# one batched call. torch's matrix exponential costs 120-175 us a call on the CPU for a
+# 2 x 2 or 4 x 4 matrix, and about as much for a batch of them.
 _MATRIX_FUNCTIONS = {aten.linalg_matrix_exp.default}
 _MATRIX_FUNCTION_COST = 100  # operations of ~1 us
 
@@ -2137,7 +2138,8 @@ def _alike_key(node):
         return ("sum", tuple(_val(x).shape), _val(x).dtype, tuple(_summed_dims(node)), _keeps_dims(node))
     if node.target in _MATRIX_FUNCTIONS:
         x = node.args[0]
-        if len(node.args) > 1 or node.kwargs or not isinstance(x, torch.fx.Node) or _val(x).shape != out.shape:
+        if (len(node.args) > 1 or node.kwargs or not isinstance(x, torch.fx.Node) or not torch.is_tensor(_val(x))
+                or _val(x).shape != out.shape):
             return None
         return (node.target, tuple(out.shape), out.dtype, (("tensor", out.dtype, tuple(out.shape)),), ())
     if not _is_pointwise(node):  # elementwise: k of them on stacked operands are one op
