@@ -32,7 +32,7 @@ from pyro.infer import config_enumerate
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
-from .potential import model_trace
+from .potential import element_name, model_trace
 from ._warn import warn_user
 
 STAT_NAMES = ("lp", "energy", "diverging", "acceptance_rate", "step_size", "tree_depth", "n_steps",
@@ -498,10 +498,9 @@ def _names_where(dataset, predicate) -> List[str]:
         arr = np.asarray(values)
         if arr.ndim == 0:
             if predicate(arr):
-                names.append(var)
+                names.append(element_name(var, ()))
             continue
-        for idx in zip(*np.nonzero(predicate(arr))):
-            names.append(f"{var}[{','.join(map(str, idx))}]")
+        names += [element_name(var, idx) for idx in zip(*np.nonzero(predicate(arr)))]
     return names
 
 

@@ -124,11 +124,12 @@ def _warn_of_flat_coordinates(layout: potential.SiteLayout, engine: GradientEngi
     does not depend on (:func:`potential.flat_coordinates` at the engine's check points):
     the posterior is improper along them, and a run costs ``2**max_tree_depth`` gradients a
     draw without converging."""
-    names = potential.flat_coordinates(layout, engine.check_gradients)
+    gradients = engine.check_gradients
+    names = potential.flat_coordinates(layout, gradients)
     if names:
         warn_user(
             f"the potential energy does not depend on {listing(names)} (unconstrained coordinates; its "
-            f"gradient there is 0 at {len(engine.check_gradients)} points): the posterior is flat along them, so "
+            f"gradient there is 0 at {len(gradients)} points): the posterior is flat along them, so "
             "improper, and the sampler will run every trajectory to its maximum length without converging. Give "
             "them a density (a proper prior or a likelihood term) or leave them out of the model: a site has none "
             "where it is masked out, as `pyro.sample(name, d, obs=y, obs_mask=m)`'s `name_unobserved` site "

@@ -25,6 +25,12 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.poutine.util import site_is_subsample
 
 
+def element_name(name: str, index: Sequence[int]) -> str:
+    """How messages name one scalar of a site: ``name[i,j]`` for the element at ``index``,
+    ``name`` where there is no index."""
+    return f"{name}[{','.join(map(str, index))}]" if len(index) else name
+
+
 class SiteLayout(NamedTuple):
     """Where each latent site lives in the flat vector: ``z[..., offsets[i]:offsets[i]+sizes[i]]``."""
 
@@ -58,10 +64,10 @@ class SiteLayout(NamedTuple):
         for name, shape, size in zip(self.names, self.shapes, self.sizes):
             flat_indices = torch.nonzero(chosen[start:start + size]).flatten()
             if size == 1:
-                names += [name] * len(flat_indices)
+                indices = [()] * len(flat_indices)
             else:
                 indices = torch.stack(torch.unravel_index(flat_indices, shape), -1).tolist()
-                names += [f"{name}[{','.join(map(str, index))}]" for index in indices]
+            names += [element_name(name, index) for index in indices]
             start += size
         return names
 

@@ -1979,8 +1979,8 @@ def operations(graph: torch.fx.Graph) -> int:
 def cost(graph: torch.fx.Graph) -> int:
     """What running ``graph`` costs, in operations of dispatch: :func:`operations`, with each
     matrix function (:data:`_MATRIX_FUNCTIONS`) counted as :data:`_MATRIX_FUNCTION_COST`."""
-    matrix_functions = sum(node.op == "call_function" and node.target in _MATRIX_FUNCTIONS for node in graph.nodes)
-    return operations(graph) + (_MATRIX_FUNCTION_COST - 1) * matrix_functions
+    return sum(_MATRIX_FUNCTION_COST if node.target in _MATRIX_FUNCTIONS else 1
+               for node in graph.nodes if node.op == "call_function")
 
 
 def _same_shape(a, b) -> bool:
