@@ -1673,6 +1673,33 @@ def test_a_broadcast_result_updated_in_place_stays_a_full_tensor():
         assert torch.allclose(actual, expected)
 
 
+def test_values_a_program_does_not_read_are_not_computed():
+    """A recorded function called inside a recording hands its results on as one tuple,
+    which kept every one of them alive: a fused HMC transition computed the energy at each
+    of its leapfrog steps although it reads only the last. The program takes such tuples
+    apart, drops what nothing reads, and returns what it returned before (a tensor, or a
+    tuple of tensors), with the same values."""
+    energy_and_gradient = tracing.to_torchscript(lambda z: ((z.exp() + z.sin()).sum(), z * 2), (torch.randn(3),))
+
+    def gradients_only(z):
+        return energy_and_gradient(z)[1] + energy_and_gradient(3 * z)[1]
+
+    def last_energy(z):
+        U, g = energy_and_gradient(z)
+        return (energy_and_gradient(z - g)[0],)
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    gradients_program = tracing.to_torchscript(gradients_only, (z,))
+    energy_program = tracing.to_torchscript(last_energy, (z,))
+    kinds = [node.kind() for node in gradients_program.graph.nodes()]
+    assert not {"aten::exp", "aten::sin", "aten::sum", "prim::TupleConstruct", "prim::TupleUnpack"} & set(kinds)
+    assert [node.kind() for node in energy_program.graph.nodes()].count("aten::exp") == 1
+    z2 = torch.tensor([0.1, 0.2, -0.3])
+    assert torch.equal(gradients_program(z2), gradients_only(z2))
+    (energy,) = energy_program(z2)
+    assert torch.equal(energy, last_energy(z2)[0])
+
+
 def test_recorded_programs_take_numbers_as_tensors_of_their_operands_dtype():
     """``x * 2``, ``u < 0.5``, ``n + 1``, ``0.3 - x``, ``x - 0.1``, ``x ** 2`` are recorded
     with a number (a Python scalar, or a 0-d tensor of another dtype); the program takes a
