@@ -62,12 +62,10 @@ class SiteLayout(NamedTuple):
         one-element site, else ``site[i,j]``, the index in the site's unconstrained shape."""
         names, start = [], 0
         for name, shape, size in zip(self.names, self.shapes, self.sizes):
-            flat_indices = torch.nonzero(chosen[start:start + size]).flatten()
-            if size == 1:
-                indices = [()] * len(flat_indices)
-            else:
-                indices = torch.stack(torch.unravel_index(flat_indices, shape), -1).tolist()
-            names += [element_name(name, index) for index in indices]
+            # the indices of the site's own shape (not torch.unravel_index: its first call
+            # imports sympy, ~0.5 s of a run that has no other use for it)
+            indices = chosen[start:start + size].reshape(shape).nonzero().tolist()
+            names += [element_name(name, () if size == 1 else index) for index in indices]
             start += size
         return names
 
