@@ -26,7 +26,7 @@ import math
 import operator
 import sys
 import warnings
-from typing import Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.fx
@@ -204,7 +204,7 @@ class _AtenRecorder(TorchDispatchMode):
         if from_inputs:
             self._refuse_escapes(func, args)
         if func is aten.log_sigmoid_backward.default:
-            shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+            shape = _broadcast_shape(args[0].shape, args[1].shape)
             if args[0].shape != shape:
                 args = (self.__torch_dispatch__(aten.expand.default, types, (args[0], list(shape))),) + args[1:]
         node_args, node_kwargs = _map_tensors(self.node_for, (args, kwargs))
@@ -1657,7 +1657,7 @@ def _scaled_product(gm, node, products):
         scale = scale * next(f for f in factors if f is not None)
         node = rest
     matrix, source = products[node]
-    if scale.dim() > matrix.dim() or torch.broadcast_shapes(scale.shape, matrix.shape) != matrix.shape:
+    if _broadcast_shape(scale.shape, matrix.shape) != matrix.shape:
         return None
     return scale * matrix, source
 
@@ -2014,6 +2014,16 @@ def cost(graph: torch.fx.Graph) -> int:
     return sum(_MATRIX_FUNCTION_COST if node.target in _MATRIX_FUNCTIONS else 1
                for node in graph.nodes if node.op == "call_function")
 
+
+def _broadcast_shape(a: Sequence[int], b: Sequence[int]) -> Optional[torch.Size]:
+    """The shape that shapes ``a`` and ``b`` broadcast to, ``None`` where they do not:
+    ``torch.broadcast_shapes`` without the import of sympy that its first call makes (through
+    ``torch.fx.experimental.symbolic_shapes``, ~0.5 s of a run that has no other use for it)."""
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    if any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
+        return None
+    return torch.Size(y if x == 1 else x for x, y in zip(a, b))
 
 def _same_shape(a, b) -> bool:
     return torch.is_tensor(_val(a)) and torch.is_tensor(_val(b)) and _val(a).shape == _val(b).shape

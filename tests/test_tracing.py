@@ -1071,12 +1071,13 @@ def test_solves_whose_results_are_column_major_keep_their_layout_as_products():
 
 
 NO_DYNAMO_SCRIPT = """
-import sys, pyro, pyro.distributions as dist
+import sys, torch, pyro, pyro.distributions as dist
 from pyro.infer import MCMC
 from pyro_hmc_plus import NUTS, MCMC as VectorizedMCMC
 
 def model():
     pyro.sample("x", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    pyro.sample("w", dist.Dirichlet(torch.ones(3)))  # its gradient has a log_sigmoid_backward
 
 MCMC(NUTS(model), num_samples=5, warmup_steps=5, disable_progbar=True).run()
 VectorizedMCMC(NUTS(model), num_samples=5, warmup_steps=5, num_chains=2, disable_progbar=True,
@@ -1090,13 +1091,26 @@ def test_the_default_engine_never_imports_dynamo_or_sympy():
     batched chains) must not import ``torch._dynamo`` or ``sympy``: those imports are ~1.5 s
     and ~0.5 s of every fresh process, a third and a quarter of a short NUTS run (eight
     schools). Fails if a torch upgrade brings one back (see tracing._AtenRecorder), or if
-    the package calls a torch function that imports them (``torch.unravel_index`` did)."""
+    the package calls a torch function that imports them (``torch.unravel_index`` and
+    ``torch.broadcast_shapes`` did)."""
     import subprocess
     import sys
 
     out = subprocess.run([sys.executable, "-c", NO_DYNAMO_SCRIPT], capture_output=True, text=True, check=True)
     assert out.stdout.strip().splitlines()[-1] == "False False"
 
+
+
+@pytest.mark.parametrize("a, b", [((3,), (3,)), ((2, 1), (1, 4)), ((), (5,)), ((4, 1, 3), (2, 1)), ((0,), (1,)),
+                                  ((1,), (0,)), ((3,), (4,)), ((2, 3), (3, 2))])
+def test_broadcast_shape_is_torchs(a, b):
+    """The tracer's ``_broadcast_shape`` (``torch.broadcast_shapes`` without its import of
+    sympy) gives torch's shape, and ``None`` where torch refuses."""
+    try:
+        expected = torch.broadcast_shapes(a, b)
+    except RuntimeError:
+        expected = None
+    assert tracing._broadcast_shape(a, b) == expected
 
 def _in_place_potential(p):
     """In-place updates of tensors computed from the latents, on the tensor and on a view."""
