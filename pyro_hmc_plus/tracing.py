@@ -655,7 +655,7 @@ def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:
     inline = getattr(torch._C, "_jit_pass_inline", None)
     if inline is not None:  # calls of TorchScript functions (a gradient recorded once), as their operations
         inline(traced.graph)
-    return _with_tensor_operands(traced)
+    return _tidied(traced)
 
 
 # elementwise ops of (tensor, number): the number is better a 0-d tensor of the tensor's dtype
@@ -734,7 +734,7 @@ def _scalars_as_tensors(graph) -> int:
     return count
 
 
-def _with_tensor_operands(traced: torch.jit.ScriptFunction) -> torch.jit.ScriptFunction:
+def _tidied(traced: torch.jit.ScriptFunction) -> torch.jit.ScriptFunction:
     """``traced`` with :func:`_without_inner_tuples` and :func:`_scalars_as_tensors` applied
     to a copy of its graph; ``traced`` itself where there is nothing to rewrite or torch
     lacks the (private) graph API."""
@@ -2024,6 +2024,7 @@ def _broadcast_shape(a: Sequence[int], b: Sequence[int]) -> Optional[torch.Size]
     if any(x != y and 1 not in (x, y) for x, y in zip(a, b)):
         return None
     return torch.Size(y if x == 1 else x for x, y in zip(a, b))
+
 
 def _same_shape(a, b) -> bool:
     return torch.is_tensor(_val(a)) and torch.is_tensor(_val(b)) and _val(a).shape == _val(b).shape

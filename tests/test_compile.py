@@ -31,12 +31,17 @@ def test_private_entry_points_exist():
     assert hasattr(torch._C._aoti.AOTIModelPackageLoader, "boxed_run")
     # Static Runtime for traced programs on the CPU
     assert callable(getattr(torch._C, "_jit_to_static_module", None))
-    # rewriting a recorded program's numbers as tensor constants (tracing._with_tensor_operands)
+    # rewriting a recorded program's numbers as tensor constants (tracing._tidied)
     assert callable(getattr(torch._C, "_create_function_from_graph", None))
     for name in ("copy", "insert_point_guard", "insertConstant", "create"):
         assert callable(getattr(torch._C.Graph, name, None)), name
     for name in ("t", "insertBefore", "destroy", "inputsAt", "outputsSize"):
         assert callable(getattr(torch._C.Node, name, None)), name
+    # taking apart the tuples inside a recorded program and dropping what nothing reads
+    # (tracing._without_inner_tuples)
+    for name in ("_jit_pass_lower_all_tuples", "_jit_pass_dce"):
+        assert callable(getattr(torch._C, name, None)), name
+    assert callable(getattr(torch._C.Graph, "makeMultiOutputIntoTuple", None))
 
 
 def test_static_runtime_runs_a_traced_program_with_the_same_results():

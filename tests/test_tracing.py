@@ -1100,7 +1100,6 @@ def test_the_default_engine_never_imports_dynamo_or_sympy():
     assert out.stdout.strip().splitlines()[-1] == "False False"
 
 
-
 @pytest.mark.parametrize("a, b", [((3,), (3,)), ((2, 1), (1, 4)), ((), (5,)), ((4, 1, 3), (2, 1)), ((0,), (1,)),
                                   ((1,), (0,)), ((3,), (4,)), ((2, 3), (3, 2))])
 def test_broadcast_shape_is_torchs(a, b):
@@ -1111,6 +1110,7 @@ def test_broadcast_shape_is_torchs(a, b):
     except RuntimeError:
         expected = None
     assert tracing._broadcast_shape(a, b) == expected
+
 
 def _in_place_potential(p):
     """In-place updates of tensors computed from the latents, on the tensor and on a view."""
@@ -1701,7 +1701,7 @@ def test_values_a_program_does_not_read_are_not_computed():
         return energy_and_gradient(z)[1] + energy_and_gradient(3 * z)[1]
 
     def last_energy(z):
-        U, g = energy_and_gradient(z)
+        _, g = energy_and_gradient(z)
         return (energy_and_gradient(z - g)[0],)
 
     z = torch.tensor([0.5, -1.0, 2.0])
