@@ -321,6 +321,27 @@ def _correlation(y):
     pyro.sample("y", dist.MultivariateNormal(torch.zeros(2), scale_tril=scale_tril).expand([len(y)]).to_event(1), obs=y)
 
 
+@pytest.mark.parametrize("engine", ["auto", "eager"])
+@pytest.mark.parametrize("adapt_step_size", [False, True])
+def test_model_failing_numerically_mid_trajectory_is_a_divergence(engine, adapt_step_size):
+    """A potential that raises beyond |x| = 2 (eager autograd raises there; a traced program
+    may return NaN instead), reached inside trajectories of 4 steps of 0.9: each such
+    transition is rejected and reported as a divergence, in warmup (whose step size is
+    adapted: the trajectory is integrated block by block) and after it (one fused program
+    per transition where the step size is fixed), and the run carries on."""
+    from models import failing_potential
+
+    pyro.set_rng_seed(0)
+    kernel = HMC(potential_fn=failing_potential, step_size=0.9, num_steps=4, adapt_step_size=adapt_step_size,
+                 engine=engine)
+    mcmc = run(kernel, 200, 100, initial_params={"x": torch.zeros(1)})
+    x = mcmc.get_samples()["x"]
+    assert (x.abs() < 2).all() and x.std() > 0.5
+    diverging = kernel.sample_stats[0]["diverging"]
+    assert any(diverging[:100]) and any(diverging[100:])
+    assert mcmc.diagnostics()["divergences"]["chain 0"] == [i - 100 for i, d in enumerate(diverging) if d and i >= 100]
+
+
 def test_a_model_failing_at_a_validation_point_still_gets_its_programs():
     """A program is checked at the current point and at random points near it; the model's
     Cholesky failed at a random point (``|r| >= 1``) while the program was being built
