@@ -356,4 +356,8 @@ def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
             "inside the support (unconstrained values where the log density is finite)"
         )
     if not torch.isfinite(g).all():
-        raise ValueError("the gradient of the potential energy at the initial point is not finite")
+        bad = [n for n, v in flat.layout.unpack(g).items() if not torch.isfinite(v).all()]
+        raise ValueError(
+            f"the gradient of the potential energy at the initial point is not finite for sites {bad} (e.g. "
+            "sqrt or abs at 0); start where it is finite: other initial values, or another init_strategy"
+        )

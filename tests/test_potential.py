@@ -61,6 +61,12 @@ def test_non_finite_initial_values_are_rejected():
         from_potential_fn(lambda p: (p["x"] ** 2).sum(), {"x": torch.tensor([0.0, float("nan")])})
 
 
+def test_initial_point_with_a_non_finite_gradient_is_rejected_naming_its_sites():
+    with pytest.raises(ValueError, match=r"gradient .* not finite for sites \['a'\] .* other initial values"):
+        from_potential_fn(lambda p: p["a"].abs().sqrt().sum() + (p["b"] ** 2).sum(),
+                          {"a": torch.zeros(2), "b": torch.zeros(1)})
+
+
 def _scale_then_location():
     scale = pyro.sample("scale", dist.HalfNormal(1.0))
     pyro.sample("loc", dist.Normal(0.0, scale).expand([2]).to_event(1))
