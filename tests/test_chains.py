@@ -420,13 +420,18 @@ def test_numerical_failure_in_one_chain_is_a_divergence(engine, kernel_class):
     assert sum(len(v) for v in mcmc.diagnostics()["divergences"].values()) > 0
 
 
-def test_initial_params_per_chain_and_potential_fn():
-    initial = {"x": torch.tensor([[-20.0], [60.0]])}
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential"])
+def test_initial_params_per_chain_and_potential_fn(chain_method):
+    """Each chain starts where ``initial_params`` says (a leading chain dimension; for one
+    chain, as in Pyro, none): the chains stay in the modes they start in."""
     pyro.set_rng_seed(0)
     mcmc = run(HMC(potential_fn=bimodal_potential, num_steps=5), num_chains=2, num_samples=20, warmup_steps=20,
-               initial_params=initial)
+               initial_params={"x": torch.tensor([[-20.0], [60.0]])}, chain_method=chain_method)
     x = mcmc.get_samples(group_by_chain=True)["x"]
     assert (x[0] < 0).all() and (x[1] > 0).all()
+    one = run(HMC(potential_fn=bimodal_potential, num_steps=5), num_chains=1, num_samples=20, warmup_steps=20,
+              initial_params={"x": torch.tensor([60.0])}, chain_method=chain_method)
+    assert (one.get_samples()["x"] > 0).all()
 
 
 def test_sequential_and_parallel_are_pyros():
