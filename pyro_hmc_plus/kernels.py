@@ -138,6 +138,23 @@ def _warn_of_flat_coordinates(layout: potential.SiteLayout, engine: GradientEngi
         )
 
 
+def _warn_of_moving_supports(model, args, kwargs, flat: potential.FlatPotential, user_transforms) -> None:
+    """A :class:`SamplingWarning` before the run, naming the latent sites whose support moves
+    with other latent sites (:func:`potential.sites_with_moving_supports`): Pyro's transforms
+    fix it at the initial values, and the draws do not follow the model's posterior."""
+    names = potential.sites_with_moving_supports(model, args, kwargs, flat, skip=user_transforms or ())
+    if names:
+        warn_user(
+            f"the supports of the latent sites {names} move with other latent sites (as `b ~ Uniform(0, a)` "
+            "does): Pyro's HMC and NUTS, and these kernels, which use Pyro's potential, map a site to "
+            "unconstrained space through one transform fixed at the initial values, so the draws do not "
+            "follow the posterior (the site is truncated to its initial support). Sample a site with a fixed "
+            "support and transform it instead: `u = pyro.sample('u', dist.Uniform(0., 1.))` and "
+            "`b = pyro.deterministic('b', a * u)`",
+            SamplingWarning,
+        )
+
+
 class HMC(MCMCKernel):
     """Hamiltonian Monte Carlo with a fixed trajectory length, on a compiled gradient.
 
@@ -357,6 +374,8 @@ class HMC(MCMCKernel):
             self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
             self._programs = {}  # programs of another model or data
             _warn_of_flat_coordinates(flat.layout, self._engines[key])
+            if self.model is not None:
+                _warn_of_moving_supports(self.model, args, kwargs, flat, self._user_transforms)
         self._engine = self._engines[key]
         self._flat = flat
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)

@@ -341,6 +341,35 @@ def flat_coordinates(layout: SiteLayout, gradients: Sequence[torch.Tensor]) -> L
     return layout.coordinate_names((torch.stack(list(gradients)) == 0).all(0))
 
 
+def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotential, skip=()) -> List[str]:
+    """The latent sites of ``model`` whose support moves with the other latent sites
+    (``b ~ Uniform(0, a)``, ``Pareto(scale=a, ...)``), except those in ``skip``.
+
+    Pyro's ``initialize_model`` maps each latent site to unconstrained space through one
+    transform, ``biject_to`` of the site's support in one run of the model. For such a site
+    that fixes the support at that run's values, so Pyro's HMC and NUTS, and these kernels,
+    which use the same potential, sample another distribution than the model's (the site
+    truncated to that support). Found by running the model once more, with every latent
+    site at a random point near the start (a private generator; the user's random stream is
+    untouched), and comparing each site's transform there with the fixed one. Nothing is
+    found where the model fails at that point."""
+    gen = torch.Generator(device=flat.initial_z.device).manual_seed(0)
+    z = flat.initial_z + torch.empty_like(flat.initial_z).uniform_(-2, 2, generator=gen)
+    unconstrained = {name: u for name, u in flat.layout.unpack(z).items() if name not in skip}
+    try:
+        values = {name: flat.transforms[name].inv(u) for name, u in unconstrained.items()}
+        with torch.random.fork_rng(devices=[]):  # sites left to sample (discrete) draw from the prior
+            trace = model_trace(pyro.poutine.condition(model, data=values), model_args, model_kwargs)
+        moved = []
+        for name, u in unconstrained.items():
+            there = biject_to(trace.nodes[name]["fn"].support)(u)
+            if not torch.allclose(there, values[name], rtol=1e-6, atol=0.0, equal_nan=True):
+                moved.append(name)
+        return moved
+    except Exception:  # the model fails there: nothing to compare
+        return []
+
+
 def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
     """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and gradient."""
     if z.shape != (flat.dim,):

@@ -6,7 +6,7 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.integrator import potential_grad
 
 from pyro_hmc_plus import SiteLayout, from_model, from_potential_fn
-from pyro_hmc_plus.potential import check_initial_point, flat_coordinates
+from pyro_hmc_plus.potential import check_initial_point, flat_coordinates, sites_with_moving_supports
 
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools
 
@@ -104,6 +104,29 @@ def test_flat_coordinates_are_those_the_potential_does_not_depend_on():
     assert flat_coordinates(flat.layout, gradients) == expected
     assert flat_coordinates(flat.layout, gradients[:2]) == expected
     assert flat_coordinates(flat.layout, gradients[:1]) == []
+
+
+def _bounded_by_latents(y):
+    a = pyro.sample("a", dist.Uniform(1.0, 2.0))
+    pyro.sample("b", dist.Uniform(0.0, a))
+    pyro.sample("c", dist.Pareto(a, 3.0))  # support: greater than the scale
+    pyro.sample("d", dist.Uniform(0.0, y.max()))  # bounded by the data only
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+
+def test_sites_whose_support_moves_with_other_latent_sites_are_found():
+    """Pyro fixes each site's transform at one run of the model: for ``b`` and ``c`` that
+    fixes a support that moves with ``a``. A support set by the data does not move. The
+    extra run of the model leaves the user's random stream as it was."""
+    y = torch.tensor([1.0, 2.5])
+    flat = from_model(_bounded_by_latents, (y,))
+    state = torch.get_rng_state()
+    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat) == ["b", "c"]
+    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat, skip={"c"}) == ["b"]
+    assert torch.equal(state, torch.get_rng_state())
+    eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    assert sites_with_moving_supports(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight) == []
 
 
 def test_potential_must_be_scalar():
