@@ -440,7 +440,7 @@ def _bounded_by_a_latent_reparametrised():
 
 def test_sites_whose_support_moves_with_other_latent_sites_are_named_before_the_run():
     """Pyro's kernels sample ``b ~ Uniform(0, a)`` truncated to ``b < a`` at the initial
-    ``a``, without a word (``E[b]`` ~0.57 where it is 0.75); the kernels say so at setup,
+    ``a``, without a word (one run: ``E[b]`` 0.57 where it is 0.75); the kernels say so at setup,
     once, and not for the same model written with a fixed support."""
     with pytest.warns(pyro_hmc_plus.SamplingWarning) as caught:
         NUTS(_bounded_by_a_latent).setup(0)
