@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import typing
 from collections import OrderedDict
 
 import torch
@@ -57,6 +58,19 @@ def _unflatten(structure, leaves):
     return tuple(values) if kind is tuple else kind(*values)
 
 
+def _structure_of(record_type):
+    """:func:`_flatten`'s structure of any ``record_type`` (a NamedTuple whose fields are
+    tensors or such records, by its type hints), known before any program has made one."""
+    hints = typing.get_type_hints(record_type)
+    return record_type, [
+        _structure_of(hints[name]) if isinstance(hints[name], type) and issubclass(hints[name], tuple) else None
+        for name in record_type._fields
+    ]
+
+
+_TREE = _structure_of(nuts.Tree)  # a NUTS transition's tree between its programs is a flat list of tensors
+
+
 def one_step_energy_change(value_and_grad, state: HMCState, noise: torch.Tensor, step_size: float,
                            metric: Metric) -> float:
     """The energy change of one leapfrog step of ``step_size`` from ``state`` (one chain)
@@ -92,11 +106,7 @@ class _Program:
     def __call__(self, *args):
         leaves = []
         _flatten(args, leaves)
-        return self.records(self.flat(*leaves))
-
-    def records(self, out_leaves):
-        """The result records that :attr:`flat`'s output ``out_leaves`` holds."""
-        return _unflatten(self._out_structure[0], iter(out_leaves))
+        return _unflatten(self._out_structure[0], iter(self.flat(*leaves)))
 
 
 def _host_values(*scalars: torch.Tensor) -> list:
@@ -1037,7 +1047,7 @@ class NUTS(HMC):
                 elif depth < self._chunk_depth:
                     leaves = self._doubling_program(depth).flat(*leaves, rands, step_size, inverse_mass)
                 else:
-                    tree = start.records(leaves)
+                    tree = _unflatten(_TREE, iter(leaves))
                     leaves = _leaves(self._chunked_doubling(tree, depth, rands, step_size, inverse_mass))
             except (RuntimeError, ValueError) as e:
                 if not is_numerical_failure(e):
@@ -1046,10 +1056,10 @@ class NUTS(HMC):
                 if leaves is None:
                     tree = nuts.init_tree(self._state, noise, log_slice, self._metric)
                 else:
-                    tree = start.records(leaves)
+                    tree = _unflatten(_TREE, iter(leaves))
                 one = torch.ones_like(tree.n_steps)
                 leaves = _leaves(tree._replace(n_steps=tree.n_steps + one, diverging=one.bool(), done=one.bool()))
-        tree = start.records(leaves)
+        tree = _unflatten(_TREE, iter(leaves))
         # read the tree's fields as they are: no eager op on the device for the statistics
         U, energy, sum_accept, n_steps, diverging, accepted, tree_depth = _host_values(
             tree.proposal.potential_energy, tree.proposal_energy, tree.sum_accept, tree.n_steps,

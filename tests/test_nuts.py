@@ -413,6 +413,36 @@ def test_model_failing_numerically_ends_the_transition_as_a_divergence(engine):
     assert min(stats["n_steps"]) >= 1
 
 
+def test_a_fused_start_failing_before_its_first_success_is_redone_doubling_by_doubling(monkeypatch):
+    """With the eager engine (chosen, or fallen back to) a program knows the records it
+    returns only once a call has succeeded: a run whose first fused start failed
+    numerically crashed with ``IndexError`` rebuilding the tree of the doubling-by-doubling
+    retry. Here that failure is made to happen, once; the retry, at the same momentum and
+    directions, is an ordinary transition."""
+    kernel = NUTS(potential_fn=lambda p: 0.5 * (p["x"] ** 2).sum(), step_size=0.5, adapt_step_size=False,
+                  engine="eager")
+    fused_start = kernel._first_doublings_program
+    failures = []
+
+    def failing_once():
+        program = fused_start()
+        if failures:
+            return program
+        failures.append(True)
+
+        def fail(*leaves):
+            raise torch.linalg.LinAlgError("made to fail")
+
+        return type(program)(fail, program._out_structure)
+
+    monkeypatch.setattr(kernel, "_first_doublings_program", failing_once)
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(kernel, num_samples=50, warmup_steps=0, initial_params={"x": torch.zeros(2)}, disable_progbar=True)
+    mcmc.run()
+    assert failures and not any(kernel.sample_stats[0]["diverging"])
+    assert mcmc.get_samples()["x"].std() > 0.5
+
+
 # ---------------------------------------------------------------------------- the Pyro protocol
 
 
