@@ -106,7 +106,8 @@ class _Program:
     def __call__(self, *args):
         leaves = []
         _flatten(args, leaves)
-        return _unflatten(self._out_structure[0], iter(self.flat(*leaves)))
+        out_leaves = self.flat(*leaves)  # first: an eager program learns its structure by running
+        return _unflatten(self._out_structure[0], iter(out_leaves))
 
 
 def _host_values(*scalars: torch.Tensor) -> list:

@@ -413,6 +413,19 @@ def test_model_failing_numerically_ends_the_transition_as_a_divergence(engine):
     assert min(stats["n_steps"]) >= 1
 
 
+def test_eager_engine_builds_trees_deeper_than_a_program_call():
+    """On the eager engine a tree of more leaves than ``max_unroll`` is built chunk by
+    chunk by small programs whose results are read back as records; an eager program learns
+    its records' structure by running, and reading it before the first run failed with
+    ``IndexError``. Steps of 0.05 on a unit Gaussian make trees of ~60 leaves."""
+    pyro.set_rng_seed(0)
+    kernel = NUTS(potential_fn=lambda p: 0.5 * (p["x"] ** 2).sum(), step_size=0.05, adapt_step_size=False,
+                  engine="eager")
+    mcmc = MCMC(kernel, num_samples=10, warmup_steps=0, initial_params={"x": torch.zeros(2)}, disable_progbar=True)
+    mcmc.run()
+    assert max(kernel.sample_stats[0]["n_steps"]) > kernel.max_unroll
+
+
 def test_a_fused_start_failing_before_its_first_success_is_redone_doubling_by_doubling(monkeypatch):
     """With the eager engine (chosen, or fallen back to) a program knows the records it
     returns only once a call has succeeded: a run whose first fused start failed
