@@ -34,7 +34,9 @@ caller's validation inputs (the current point and fresh random points). (Checkin
 program against Pyro's potential instead would compare energy *differences* such as
 ``H0 - H``, whose float32 rounding grows with ``|U|``, not with the difference.) If tracing
 is refused, fails, or a check fails, the engine warns once, saying why, and uses the eager
-path.
+path. Pyro's gradient itself is checked against central differences of ``U`` at one of those
+points (:attr:`GradientEngine.gradient_mismatch`): a model can cut its own gradient, which
+no engine can repair.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import torch
 
 from . import _compile, tracing
 from ._warn import warn_user
-from .potential import FlatPotential
+from .potential import FlatPotential, gradient_mismatch
 
 ENGINES = ("auto", "trace", "aot", "inductor", "eager")
 
@@ -157,6 +159,7 @@ class GradientEngine:
         self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
         self._gradient_functions = {}  # shape of z -> TorchScript function of value_and_grad
         self._check_point_values = None  # see _at_check_points
+        self._gradient_mismatch = None  # see gradient_mismatch
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -197,6 +200,17 @@ class GradientEngine:
             points = [(z,) for z in self._check_points()]
             self._check_point_values = list(self._reference_cases(self.eager_value_and_grad, points))
         return self._check_point_values
+
+    @property
+    def gradient_mismatch(self):
+        """:func:`pyro_hmc_plus.potential.gradient_mismatch` of Pyro's eager gradient at the
+        last check point where the model evaluates (a random one, unless the model fails at
+        both): ``(slope, gradient_slope)`` where the model cuts its own gradient, else ``None``.
+        Computed once."""
+        if self._gradient_mismatch is None:
+            z, g = [(inputs[0], grad) for inputs, (_, grad) in self._at_check_points()][-1]
+            self._gradient_mismatch = (gradient_mismatch(self.flat, z, g),)
+        return self._gradient_mismatch[0]
 
     @property
     def check_gradients(self):
@@ -500,7 +514,10 @@ class GradientEngine:
 
     def _fall_back(self, reason: str, eager_is_correct: bool = True):
         if self.name != "eager":
-            if eager_is_correct:
+            if eager_is_correct and self.gradient_mismatch is not None:
+                advice = ("Falling back to eager autograd, which runs the potential as it is, but whose gradient "
+                          "misses part of it (see the SamplingWarning that follows).")
+            elif eager_is_correct:
                 advice = ("Falling back to eager autograd (correct but slow). To silence this, pass "
                           "engine='eager'; to get the fast path, make the potential branch-free in the "
                           "latent variables (e.g. torch.where instead of `if`, no .item()).")

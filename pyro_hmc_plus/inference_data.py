@@ -43,8 +43,9 @@ _STAT_DTYPES = {"diverging": bool, "reached_max_treedepth": bool, "tree_depth": 
 class SamplingWarning(UserWarning):
     """The run's diagnostics say its draws should not be trusted as they are; or, at a
     kernel's setup, the potential energy does not depend on some coordinates (the posterior
-    is improper along them), or a latent site's support moves with other latent sites (Pyro's
-    transforms fix it at the initial values)."""
+    is improper along them), a latent site's support moves with other latent sites (Pyro's
+    transforms fix it at the initial values), or the gradient misses part of the potential
+    (the model cuts it)."""
 
 
 def chain_sample_stats(mcmc) -> List[dict]:

@@ -149,6 +149,23 @@ def _warn_of_flat_coordinates(layout: potential.SiteLayout, engine: GradientEngi
         )
 
 
+def _warn_of_a_cut_gradient(engine: GradientEngine) -> None:
+    """A :class:`SamplingWarning` before the run where the potential energy's gradient does
+    not match its values (:attr:`GradientEngine.gradient_mismatch`): HMC follows the gradient,
+    so its draws would not follow the posterior, with Pyro's kernels as with these."""
+    found = engine.gradient_mismatch
+    if found is not None:
+        warn_user(
+            f"the gradient of the potential energy does not match its values: along a random direction its "
+            f"slope is {found[0]:.4g} by finite differences and {found[1]:.4g} by the gradient. Something in the "
+            f"{engine.flat.source} cuts the gradient of a term the potential depends on, as `torch.tensor([...])`, "
+            "`float(x)` or `x.item()` of a latent value, `.detach()`, `torch.no_grad()` or a NumPy round trip "
+            "do; HMC and NUTS (Pyro's too) follow the gradient, so the draws will not follow the posterior. "
+            "Build tensors from latent values with `torch.stack` or `torch.cat`, and keep them tensors",
+            SamplingWarning,
+        )
+
+
 def _warn_of_moving_supports(model, args, kwargs, flat: potential.FlatPotential, user_transforms) -> None:
     """A :class:`SamplingWarning` before the run, naming the latent sites whose support moves
     with other latent sites (:func:`potential.sites_with_moving_supports`): Pyro's transforms
@@ -385,6 +402,7 @@ class HMC(MCMCKernel):
             self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
             self._programs = {}  # programs of another model or data
             _warn_of_flat_coordinates(flat.layout, self._engines[key])
+            _warn_of_a_cut_gradient(self._engines[key])
             if self.model is not None:
                 _warn_of_moving_supports(self.model, args, kwargs, flat, self._user_transforms)
         self._engine = self._engines[key]

@@ -341,6 +341,38 @@ def flat_coordinates(layout: SiteLayout, gradients: Sequence[torch.Tensor]) -> L
     return layout.coordinate_names((torch.stack(list(gradients)) == 0).all(0))
 
 
+def gradient_mismatch(flat: FlatPotential, z: torch.Tensor, g: torch.Tensor):
+    """``(slope, gradient_slope)`` where the potential energy's slope at ``z`` along a random
+    direction (central differences of ``U``) and the gradient ``g``'s grossly disagree, else
+    ``None``: something in the model cuts the gradient of a term that ``U`` depends on, as
+    ``torch.tensor([...])``, ``float(x)`` or ``x.item()`` of a latent value, ``.detach()``,
+    ``torch.no_grad()`` or a NumPy round trip do, and autograd, Pyro's included, misses it.
+
+    Two step sizes, ``1e-2`` and ``1e-3`` along a unit direction: the differences must agree
+    with each other (ten times closer than to the gradient's slope, which they must miss by a
+    quarter): rounding of ``U`` (float32) or a kink between the points makes them disagree,
+    and nothing is said. Four evaluations of ``U``; ``None`` where the model fails there."""
+    gen = torch.Generator(device=z.device).manual_seed(0)
+    direction = torch.randn(z.shape, generator=gen, dtype=z.dtype, device=z.device)
+    direction = direction / direction.norm()
+
+    def slope(h: float) -> float:
+        return (float(flat.potential(z + h * direction)) - float(flat.potential(z - h * direction))) / (2 * h)
+
+    try:
+        with torch.no_grad(), pyro.validation_enabled(False):
+            wide, narrow = slope(1e-2), slope(1e-3)
+    except Exception:  # the model fails at one of the points: nothing to compare
+        return None
+    gradient_slope = float(g @ direction)
+    miss = abs(narrow - gradient_slope)
+    if not math.isfinite(wide + narrow + gradient_slope):
+        return None
+    if miss > 0.25 * max(abs(narrow), abs(gradient_slope)) and miss > 10 * abs(wide - narrow):
+        return narrow, gradient_slope
+    return None
+
+
 def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotential, skip=()) -> List[str]:
     """The latent sites of ``model`` whose support moves with the other latent sites
     (``b ~ Uniform(0, a)``, ``Pareto(scale=a, ...)``), except those in ``skip``.

@@ -1,5 +1,7 @@
 """Models shared by the tests, with their exact posteriors where known."""
 
+import warnings
+
 import pyro
 import pyro.distributions as dist
 import torch
@@ -84,3 +86,19 @@ def failing_potential(params):
     x = params["x"]
     m = torch.stack([torch.stack([torch.ones(()), torch.zeros(())]), torch.stack([torch.zeros(()), 4.0 - x[0] ** 2])])
     return 0.5 * (x**2).sum() - torch.linalg.cholesky(m).diagonal().log().sum()
+
+
+def two_scales(y, cut=None):
+    """Two scales of 2-D observations; ``cut`` builds them the ways that cut the gradient."""
+    s1 = pyro.sample("s1", dist.HalfNormal(5.0))
+    s2 = pyro.sample("s2", dist.HalfNormal(5.0))
+    if cut == "torch.tensor":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's "Converting a tensor with requires_grad=True to a scalar"
+            scale = torch.tensor([s1, s2])
+    elif cut == "detach":
+        scale = torch.stack([s1.detach(), s2])
+    else:
+        scale = torch.stack([s1, s2])
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(0.0, scale).to_event(1), obs=y)

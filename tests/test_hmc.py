@@ -28,6 +28,7 @@ from models import (
     gauss2d,
     normal_normal,
     normal_normal_posterior,
+    two_scales,
 )
 
 
@@ -426,6 +427,23 @@ def test_coordinates_the_potential_does_not_depend_on_are_named_before_the_run(k
     with warnings.catch_warnings():
         warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
         kernel_class(_missing_values).setup(0, y, torch.zeros(5, dtype=torch.bool))
+
+
+def test_a_model_that_cuts_its_gradient_is_named_before_the_run():
+    """A covariance built with ``torch.tensor`` from latent scales is a constant to autograd,
+    Pyro's included: the trace disagrees with Pyro's potential and the engine falls back to
+    eager autograd, whose gradient misses the likelihood's dependence on the scales as well.
+    The fallback does not call that correct, and the kernel says what is wrong, at setup."""
+    y = torch.randn(50, 2, generator=torch.Generator().manual_seed(0)) * torch.tensor([2.0, 0.5])
+    with pytest.warns(UserWarning) as caught:
+        NUTS(two_scales).setup(0, y, "torch.tensor")
+    messages = [str(w.message) for w in caught]
+    fallback = [m for m in messages if m.startswith("pyro_hmc_plus: cannot use the 'trace' engine")]
+    assert len(fallback) == 1 and "correct" not in fallback[0] and "misses part of it" in fallback[0]
+    assert any(m.startswith("the gradient of the potential energy does not match its values") for m in messages)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
+        NUTS(two_scales).setup(0, y)
 
 
 def _bounded_by_a_latent():

@@ -6,9 +6,14 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.integrator import potential_grad
 
 from pyro_hmc_plus import SiteLayout, from_model, from_potential_fn
-from pyro_hmc_plus.potential import check_initial_point, flat_coordinates, sites_with_moving_supports
+from pyro_hmc_plus.potential import (
+    check_initial_point,
+    flat_coordinates,
+    gradient_mismatch,
+    sites_with_moving_supports,
+)
 
-from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools
+from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, two_scales
 
 
 def test_layout_sorted_by_name_and_roundtrips():
@@ -104,6 +109,26 @@ def test_flat_coordinates_are_those_the_potential_does_not_depend_on():
     assert flat_coordinates(flat.layout, gradients) == expected
     assert flat_coordinates(flat.layout, gradients[:2]) == expected
     assert flat_coordinates(flat.layout, gradients[:1]) == []
+
+
+@pytest.mark.parametrize("cut", ["torch.tensor", "detach", None])
+def test_a_gradient_that_misses_part_of_the_potential_is_found(cut):
+    """Pyro's autograd gradient of a model that builds a tensor from latent values with
+    ``torch.tensor`` (or ``.detach()``-es one) misses the likelihood's dependence on them;
+    the potential's values do not. At points around the start: found where cut, never where
+    not (also on eight schools)."""
+    y = torch.randn(50, 2, generator=torch.Generator().manual_seed(0)) * torch.tensor([2.0, 0.5])
+    flat = from_model(two_scales, (y, cut))
+    points = [flat.initial_z + shift for shift in (0.0, 1.0, -1.5)]
+    found = [gradient_mismatch(flat, z, flat.value_and_grad(z)[1]) for z in points]
+    if cut is None:
+        assert found == [None] * 3
+    else:
+        assert all(f is not None and abs(f[0] - f[1]) > 0.25 * abs(f[0]) for f in found)
+    eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    points = [eight.initial_z + torch.empty(eight.dim).uniform_(-2, 2, generator=torch.Generator().manual_seed(k))
+              for k in range(5)]
+    assert [gradient_mismatch(eight, z, eight.value_and_grad(z)[1]) for z in points] == [None] * 5
 
 
 def _bounded_by_latents(y):
