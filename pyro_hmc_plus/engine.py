@@ -205,11 +205,13 @@ class GradientEngine:
     def gradient_mismatch(self):
         """:func:`pyro_hmc_plus.potential.gradient_mismatch` of Pyro's eager gradient at the
         last check point where the model evaluates (a random one, unless the model fails at
-        both): ``(slope, gradient_slope)`` where the model cuts its own gradient, else ``None``.
-        Computed once."""
+        both): ``(slope, gradient_slope)`` where the model cuts its own gradient, else ``None``
+        (also where the model fails at every check point). Computed once."""
         if self._gradient_mismatch is None:
-            z, g = [(inputs[0], grad) for inputs, (_, grad) in self._at_check_points()][-1]
-            self._gradient_mismatch = (gradient_mismatch(self.flat, z, g),)
+            found = None
+            for (z,), (_, g) in self._at_check_points()[-1:]:
+                found = gradient_mismatch(self.flat, z, g)
+            self._gradient_mismatch = (found,)
         return self._gradient_mismatch[0]
 
     @property
