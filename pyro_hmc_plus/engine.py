@@ -159,7 +159,6 @@ class GradientEngine:
         self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
         self._gradient_functions = {}  # shape of z -> TorchScript function of value_and_grad
         self._check_point_values = None  # see _at_check_points
-        self._gradient_mismatch = None  # see gradient_mismatch
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -201,18 +200,22 @@ class GradientEngine:
             self._check_point_values = list(self._reference_cases(self.eager_value_and_grad, points))
         return self._check_point_values
 
-    @property
+    @functools.cached_property
     def gradient_mismatch(self):
         """:func:`pyro_hmc_plus.potential.gradient_mismatch` of Pyro's eager gradient at the
         last check point where the model evaluates (a random one, unless the model fails at
         both): ``(slope, gradient_slope)`` where the model cuts its own gradient, else ``None``
-        (also where the model fails at every check point). Computed once."""
-        if self._gradient_mismatch is None:
-            found = None
-            for (z,), (_, g) in self._at_check_points()[-1:]:
-                found = gradient_mismatch(self.flat, z, g)
-            self._gradient_mismatch = (found,)
-        return self._gradient_mismatch[0]
+        (also where the model fails at every check point)."""
+        for (z,), (_, g) in self._at_check_points()[-1:]:
+            return gradient_mismatch(self.flat, z, g)
+        return None
+
+    @property
+    def check_points(self):
+        """The points, ``(D,)`` each, where the traced gradient is checked (the initial point
+        and two random points near it) and the model evaluates: the kernels check the model
+        itself there too."""
+        return [z for (z,), _ in self._at_check_points()]
 
     @property
     def check_gradients(self):

@@ -166,11 +166,16 @@ def _warn_of_a_cut_gradient(engine: GradientEngine) -> None:
         )
 
 
-def _warn_of_moving_supports(model, args, kwargs, flat: potential.FlatPotential, user_transforms) -> None:
+def _warn_of_moving_supports(model, args, kwargs, engine: GradientEngine, user_transforms) -> None:
     """A :class:`SamplingWarning` before the run, naming the latent sites whose support moves
-    with other latent sites (:func:`potential.sites_with_moving_supports`): Pyro's transforms
-    fix it at the initial values, and the draws do not follow the model's posterior."""
-    names = potential.sites_with_moving_supports(model, args, kwargs, flat, skip=user_transforms or ())
+    with other latent sites (:func:`potential.sites_with_moving_supports`, at the engine's last
+    check point, a random one where the model evaluates there): Pyro's transforms fix it at
+    the initial values, and the draws do not follow the model's posterior."""
+    points = engine.check_points
+    if len(points) < 2:  # the model evaluates only at its initial values: nothing to compare
+        return
+    names = potential.sites_with_moving_supports(model, args, kwargs, engine.flat, points[-1],
+                                                 skip=user_transforms or ())
     if names:
         warn_user(
             f"the supports of the latent sites {names} move with other latent sites (as `b ~ Uniform(0, a)` "
@@ -404,7 +409,7 @@ class HMC(MCMCKernel):
             _warn_of_flat_coordinates(flat.layout, self._engines[key])
             _warn_of_a_cut_gradient(self._engines[key])
             if self.model is not None:
-                _warn_of_moving_supports(self.model, args, kwargs, flat, self._user_transforms)
+                _warn_of_moving_supports(self.model, args, kwargs, self._engines[key], self._user_transforms)
         self._engine = self._engines[key]
         self._flat = flat
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)

@@ -373,20 +373,19 @@ def gradient_mismatch(flat: FlatPotential, z: torch.Tensor, g: torch.Tensor):
     return None
 
 
-def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotential, skip=()) -> List[str]:
+def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotential, z: torch.Tensor,
+                               skip=()) -> List[str]:
     """The latent sites of ``model`` whose support moves with the other latent sites
-    (``b ~ Uniform(0, a)``, ``Pareto(scale=a, ...)``), except those in ``skip``.
+    (``b ~ Uniform(0, a)``, ``Pareto(scale=a, ...)``), except those in ``skip``, found at
+    the unconstrained point ``z`` ``(D,)`` (one away from the initial values).
 
     Pyro's ``initialize_model`` maps each latent site to unconstrained space through one
     transform, ``biject_to`` of the site's support in one run of the model. For such a site
     that fixes the support at that run's values, so Pyro's HMC and NUTS, and these kernels,
     which use the same potential, sample another distribution than the model's (the site
     truncated to that support). Found by running the model once more, with every latent
-    site at a random point near the start (a private generator; the user's random stream is
-    untouched), and comparing each site's transform there with the fixed one. Nothing is
-    found where the model fails at that point."""
-    gen = torch.Generator(device=flat.initial_z.device).manual_seed(0)
-    z = flat.initial_z + torch.empty_like(flat.initial_z).uniform_(-2, 2, generator=gen)
+    site at ``z`` (the user's random stream untouched), and comparing each site's transform
+    there with the fixed one. Nothing is found where the model fails at that point."""
     unconstrained = {name: u for name, u in flat.layout.unpack(z).items() if name not in skip}
     try:
         values = {name: flat.transforms[name].inv(u) for name, u in unconstrained.items()}
@@ -402,13 +401,17 @@ def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotent
         return []
 
 
+def _non_finite_sites(layout: SiteLayout, x: torch.Tensor) -> List[str]:
+    """The sites with a non-finite entry in the flat vector ``x`` ``(D,)``."""
+    return [name for name, v in layout.unpack(x).items() if not torch.isfinite(v).all()]
+
+
 def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
     """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and gradient."""
     if z.shape != (flat.dim,):
         raise ValueError(f"initial point has shape {tuple(z.shape)}, expected ({flat.dim},)")
     if not torch.isfinite(z).all():
-        bad = [n for n, v in flat.layout.unpack(z).items() if not torch.isfinite(v).all()]
-        raise ValueError(f"initial values of sites {bad} are not finite")
+        raise ValueError(f"initial values of sites {_non_finite_sites(flat.layout, z)} are not finite")
     with pyro.validation_enabled(False):
         U, g = flat.value_and_grad(z)
     if not torch.isfinite(U):
@@ -417,8 +420,8 @@ def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
             "inside the support (unconstrained values where the log density is finite)"
         )
     if not torch.isfinite(g).all():
-        bad = [n for n, v in flat.layout.unpack(g).items() if not torch.isfinite(v).all()]
         raise ValueError(
-            f"the gradient of the potential energy at the initial point is not finite for sites {bad} (e.g. "
+            f"the gradient of the potential energy at the initial point is not finite for sites "
+            f"{_non_finite_sites(flat.layout, g)} (e.g. "
             "sqrt or abs at 0); start where it is finite: other initial values, or another init_strategy"
         )

@@ -146,12 +146,14 @@ def test_sites_whose_support_moves_with_other_latent_sites_are_found():
     extra run of the model leaves the user's random stream as it was."""
     y = torch.tensor([1.0, 2.5])
     flat = from_model(_bounded_by_latents, (y,))
+    z = flat.initial_z + torch.tensor([0.7, -1.2, 0.9, 0.4])  # (a, b, c, d) moved
     state = torch.get_rng_state()
-    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat) == ["b", "c"]
-    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat, skip={"c"}) == ["b"]
+    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat, z) == ["b", "c"]
+    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat, z, skip={"c"}) == ["b"]
     assert torch.equal(state, torch.get_rng_state())
     eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
-    assert sites_with_moving_supports(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight) == []
+    assert sites_with_moving_supports(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight,
+                                      eight.initial_z + 1.0) == []
 
 
 def test_potential_must_be_scalar():
