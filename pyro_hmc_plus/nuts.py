@@ -179,24 +179,34 @@ def signed_step_size(step_size: torch.Tensor, forward: torch.Tensor) -> torch.Te
 
 def _subtree_blocks(sizes, device, dtype):
     """U-turn blocks of consecutive subtrees of ``sizes`` leaves (powers of two) in one leaf
-    axis: leaf indices ``(first, mid, last)`` of every block of 2, 4, ... leaves aligned
-    inside each subtree, where ``mid`` is the first leaf of the block's second half, and the
-    ``(num_blocks, sum(sizes))`` 0/1 matrix mapping each block to its last leaf."""
-    first, mid, last = [], [], []
+    axis of ``n = sum(sizes)`` leaves: every block of 2, 4, ... leaves aligned inside each
+    subtree, as the six dot products of :func:`_joins_without_u_turn` for it. Dot product
+    ``v_i . (C_b - C_a)``, with ``C_k`` the sum of the first ``k`` momenta, is the difference
+    of entries ``(i, b)`` and ``(i, a)`` of the ``(n, n + 1)`` matrix ``W = v C^T``
+    (:func:`_turned_at`). Returns the flat indices into ``W`` of the ``b`` and the ``a``
+    entries ``(6 num_blocks,)``, and the ``(num_blocks, n)`` 0/1 matrix mapping each block
+    to its last leaf."""
+    n = sum(sizes)
+    plus, minus, last = [], [], []
     offset = 0
     for num_leaves in sizes:
         size = 2
         while size <= num_leaves:
-            for start in range(offset, offset + num_leaves, size):
-                first.append(start)
-                mid.append(start + size // 2)
-                last.append(start + size - 1)
+            for a0 in range(offset, offset + num_leaves, size):
+                b0, b1 = a0 + size // 2, a0 + size - 1  # first and last leaf of the second half
+                a1 = b0 - 1
+                # (leaf, C_b, C_a): both ends along the whole (a0 .. b1), across the join
+                # (a0 .. b0) and (a1 .. b1), as in _joins_without_u_turn
+                for i, b, a in ((a0, b1 + 1, a0), (b1, b1 + 1, a0), (a0, b0 + 1, a0), (b0, b0 + 1, a0),
+                                (a1, b1 + 1, a1), (b1, b1 + 1, a1)):
+                    plus.append(i * (n + 1) + b)
+                    minus.append(i * (n + 1) + a)
+                last.append(b1)
             size *= 2
         offset += num_leaves
-    ends_at = [[float(leaf == end) for leaf in range(offset)] for end in last]
-    return tuple(torch.tensor(x, dtype=torch.int64, device=device) for x in (first, mid, last)) + (
-        torch.tensor(ends_at, dtype=dtype, device=device).reshape(len(last), offset),
-    )
+    ends_at = [[float(leaf == end) for leaf in range(n)] for end in last]
+    return (torch.tensor(plus, dtype=torch.int64, device=device), torch.tensor(minus, dtype=torch.int64, device=device),
+            torch.tensor(ends_at, dtype=dtype, device=device).reshape(len(last), n))
 
 
 def _cumulative_momenta(r):
@@ -206,21 +216,21 @@ def _cumulative_momenta(r):
     return torch.cat([torch.zeros_like(r[..., :1, :]), r.cumsum(-2)], -2)  # (pad costs ~3x more in a program)
 
 
-def _turned_at(r, v, cumulative, blocks):
+def _turned_at(r, v, blocks):
     """``(..., L)``: how many of ``blocks`` (:func:`_subtree_blocks`) that end at each leaf
-    turn, from the leaves' momenta ``r`` and velocities ``v`` ``(..., L, D)`` (and
-    ``cumulative = _cumulative_momenta(r)``), all blocks at once. A failure is charged to
-    the block's last leaf, where Stan's recursion checks it."""
-    first, mid, last, ends_at = blocks
+    turn, from the leaves' momenta ``r`` and velocities ``v`` ``(..., L, D)``, all blocks at
+    once. A failure is charged to the block's last leaf, where Stan's recursion checks it.
 
-    def at(x, i):
-        return x.index_select(-2, i)
-    rho_first_half = at(cumulative, mid) - at(cumulative, first)
-    rho_second_half = at(cumulative, last + 1) - at(cumulative, mid)
-    ok = _joins_without_u_turn(
-        at(v, first), at(v, mid - 1), at(r, mid - 1), rho_first_half,
-        at(v, mid), at(v, last), at(r, mid), rho_second_half,
-    )  # (..., num_blocks)
+    Every check is a dot product of a leaf's velocity with a sum of consecutive momenta, so
+    all of them are differences of entries of one ``(L, L + 1)`` matrix of velocities times
+    cumulative momenta, made by one matrix product: the work on ``D``-vectors is that
+    product, not a copy of the leaves per block (a 16-leaf chunk has 15 blocks). A leaf
+    whose momentum is not finite touches no check of the blocks before it."""
+    plus, minus, ends_at = blocks
+    dots = (v @ r.mT).cumsum(-1)  # (..., L, L): v_i . (r_0 + ... + r_k)
+    W = torch.cat([torch.zeros_like(dots[..., :1]), dots], -1).flatten(-2)  # entry (i, k): v_i . C_k
+    checks = W.index_select(-1, plus) - W.index_select(-1, minus)  # (..., 6 num_blocks)
+    ok = (checks.unflatten(-1, (-1, 6)) > 0).all(-1)  # (..., num_blocks); NaN turns
     return (~ok).to(r.dtype) @ ends_at
 
 
@@ -315,7 +325,7 @@ def subtree_of(
     H = leaves.potential_energy + kinetic_energy(r, inv)
     delta, log_w, divergent = leaf_weights(H, H0.unsqueeze(-1), log_slice.unsqueeze(-1), multinomial, max_energy_error)
     # U-turn checks of every complete sub-subtree (2, 4, ..., L leaves), all at once
-    fail = divergent | (_turned_at(r, v, _cumulative_momenta(r), _subtree_blocks([L], r.device, r.dtype)) > 0)
+    fail = divergent | (_turned_at(r, v, _subtree_blocks([L], r.device, r.dtype)) > 0)
     failures_before = fail.cumsum(-1) - fail.to(torch.int64)
     counted = failures_before == 0  # Stan stops at the first failure, that step included
     accept = torch.exp(delta.clamp(max=0.0))
@@ -595,7 +605,7 @@ def fused_start_tree(
     ], -2)  # (..., n + 1, 4D + 2)
     # each doubling's subtree: its U-turn checks, what Stan counts (up to its first failure)
     cumulative = _cumulative_momenta(r)
-    fail = divergent | (_turned_at(r, v, cumulative, c.blocks) > 0)
+    fail = divergent | (_turned_at(r, v, c.blocks) > 0)
     fail_i = fail.to(torch.int64)
     fails_before = fail_i.cumsum(-1) - fail_i
     counted = (fails_before == fails_before.index_select(-1, c.first_of_leaf)).to(H.dtype)

@@ -515,3 +515,46 @@ def test_the_weights_of_two_leaves_sum_as_logsumexp_does():
     inf = float("inf")
     log_w = torch.tensor([[0.3, -1.2], [-inf, 2.0], [-inf, -inf], [50.0, 49.0]])
     assert torch.allclose(_log_sum_exp(log_w, 2), torch.logsumexp(log_w, -1), atol=1e-6)
+
+
+def test_u_turn_checks_of_all_blocks_match_stan_block_by_block():
+    """The blocks' U-turn checks, made at once from one matrix of velocity-momentum dot
+    products, equal Stan's three criteria evaluated block by block (``stan_tree``'s), and a
+    leaf whose momentum is NaN leaves the checks of the blocks before it as they were."""
+    from pyro_hmc_plus.nuts import _subtree_blocks, _turned_at
+
+    L, D = 8, 3
+    gen = torch.Generator().manual_seed(3)
+    inv_mass = torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64)
+
+    def criterion(p_minus, p_plus, rho):
+        return bool((inv_mass * p_plus) @ rho > 0) and bool((inv_mass * p_minus) @ rho > 0)
+
+    def stan_turned(r):
+        """How many blocks ending at each leaf turn, block by block as Stan checks them."""
+        turned = torch.zeros(L, dtype=torch.float64)
+        size = 2
+        while size <= L:
+            for a0 in range(0, L, size):
+                b0, b1 = a0 + size // 2, a0 + size - 1
+                rho1, rho2 = r[a0:b0].sum(0), r[b0:b1 + 1].sum(0)
+                persist = (criterion(r[a0], r[b1], rho1 + rho2) and criterion(r[a0], r[b0], rho1 + r[b0])
+                           and criterion(r[b0 - 1], r[b1], rho2 + r[b0 - 1]))
+                turned[b1] += not persist
+            size *= 2
+        return turned
+
+    # momenta turning through 4.5 radians (the whole block turns), and random ones
+    angles = torch.linspace(0, 4.5, L, dtype=torch.float64).unsqueeze(-1)
+    r = torch.cat([angles.cos(), angles.sin(), 0.05 * torch.ones_like(angles)], -1)
+    r = torch.stack([r, torch.randn(L, D, generator=gen, dtype=torch.float64)])  # two chains
+    blocks = _subtree_blocks([L], r.device, r.dtype)
+    turned = _turned_at(r, inv_mass * r, blocks)
+    for chain in range(2):
+        assert torch.equal(turned[chain], stan_turned(r[chain]))
+    assert 0 < turned.sum() < 2 * (L - 1)  # both outcomes were exercised
+
+    r[:, 5] = float("nan")  # a leaf that diverged: Stan stops at it, so later blocks do not matter
+    with_nan = _turned_at(r, inv_mass * r, blocks)
+    assert torch.equal(with_nan[:, :5], turned[:, :5])  # the blocks before it are judged as before
+    assert (with_nan[:, 5] == 1).all()  # the block (4, 5) with it turns
