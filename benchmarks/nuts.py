@@ -9,7 +9,10 @@ step, as Pyro's time-series tutorials write models (slow for Pyro, so run it wit
 draws, e.g. ``--warmup 200 --samples 200``), and ``seq_plate``
 (``pyro_hmc_plus.models.sequential_plate_regression``): a linear regression with one
 observation site per row of 1,000, in a sequential plate, as Pyro's introductory tutorials
-write models (Pyro's NUTS takes ~400 s for 200 + 200 draws: ``--reps 1``).
+write models (Pyro's NUTS takes ~400 s for 200 + 200 draws: ``--reps 1``), and
+``hierarchical_large``: the hierarchical model with 2,000 groups of 5 observations (D=2,004),
+where the arithmetic of a gradient and of the tree's bookkeeping on ``D``-vectors, not the
+per-operation overhead, sets the pace (Pyro's NUTS takes ~110 s for 200 + 200 draws).
 
 Each contender runs one chain in a fresh Python process with one thread (so tracing and
 compiling are counted), ``--warmup`` + ``--samples`` iterations, and the contenders alternate
@@ -53,7 +56,7 @@ import subprocess
 import sys
 import time
 
-MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical", "ar_loop", "seq_plate")
+MODELS = ("gauss2d", "eight_schools", "logistic", "hierarchical", "ar_loop", "seq_plate", "hierarchical_large")
 DEFAULT_MODELS = MODELS[:4]
 CONTENDERS = ("pyro", "pyro_jit", "ours", "ours_aot", "ours_inductor", "numpyro")
 SINGLE_THREAD_XLA = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
@@ -86,8 +89,8 @@ def make_problem(name: str):
         w = torch.randn(d, generator=g) * 0.5
         y = torch.bernoulli(torch.sigmoid(x @ w), generator=g)
         return counted(models.logistic_regression), (x, y), calls
-    if name == "hierarchical":  # radon-like: 96 groups, 10 observations each
-        groups, per_group = 96, 10
+    if name in ("hierarchical", "hierarchical_large"):  # radon-like: 96 groups of 10, or 2,000 groups of 5
+        groups, per_group = (96, 10) if name == "hierarchical" else (2000, 5)
         group = torch.arange(groups).repeat_interleave(per_group)
         x = torch.randn(groups * per_group, generator=g)
         a = 1.0 + 0.7 * torch.randn(groups, generator=g)
@@ -132,7 +135,7 @@ def numpyro_model(name: str):
             b = numpyro.sample("b", nd.Normal(0.0, 1.0))
             with numpyro.plate("data", x.shape[0]):
                 numpyro.sample("y", nd.Bernoulli(logits=x @ w + b), obs=y)
-    elif name == "hierarchical":
+    elif name in ("hierarchical", "hierarchical_large"):
         def model(x, group, y):
             mu_a = numpyro.sample("mu_a", nd.Normal(0.0, 5.0))
             sigma_a = numpyro.sample("sigma_a", nd.HalfNormal(2.0))
