@@ -278,7 +278,6 @@ class HMC(MCMCKernel):
         self.transforms = transforms
         self._user_transforms = transforms
         self._max_plate_nesting = max_plate_nesting
-        self._jit_compile = jit_compile
         self._init_strategy = init_strategy
         self._init_step_size = float(step_size)
         if num_steps is not None:
