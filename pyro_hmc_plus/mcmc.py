@@ -57,6 +57,10 @@ class MCMC(pyro.infer.MCMC):
         Pyro's per-draw JSON logging: ~90 µs less per draw);
         ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
         than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
+        Vectorized chains share the per-operation overhead of a small model; a model whose
+        gradient is mostly arithmetic (thousands of dimensions or data points) gains
+        nothing from that (4 NUTS chains with D=2,004: as fast as sequential ones), and
+        ``"parallel"`` gives each chain a core.
     :param int leaves_per_call: leapfrog steps per chain in one compiled call of a vectorized
         run, in whole rounds of the kernel's (at least one: a NUTS round is 8 steps, an HMC
         round 8 steps (at most the kernel's ``max_unroll``), or one whole trajectory without
