@@ -320,7 +320,7 @@ def _shared_fake_mode():
         return contextlib.nullcontext()
 
 
-# Where vectorizing a traced graph first leaves at most this fraction of its operations (a
+# Where vectorizing a traced graph first divides its operations by this factor or more (a
 # long Python loop became a few vectorized ops), neither the graph folded without it nor
 # vectorizing again after the folds did better on any graph the test suite traces (the
 # largest such ratio where one did: 4.95, 723 -> 146 against 103 operations), and for a
