@@ -367,10 +367,9 @@ class HMC(MCMCKernel):
         initial = self._initial_params
         self._reset()
         self._warmup_steps = warmup_steps
-        z0 = self._build_potential(args, kwargs, initial)[0]
+        z0, U0, g0 = (x[0] for x in self._build_potential(args, kwargs, initial))
         if self.model is not None:  # Pyro's model path returns the init point as `initial_params`
             self._initial_params = self._flat.layout.unpack(z0)
-        U0, g0 = self._engine.eager_value_and_grad(z0)
         self._state = HMCState(z0, U0, g0)
         self._configure_adaptation()
         if self._engine.name == "aot":
@@ -378,11 +377,12 @@ class HMC(MCMCKernel):
                 self._build_programs()
         self._chain_stats.append({name: [] for name in self.stat_names + ("warmup",)})
 
-    def _build_potential(self, args, kwargs, initial, num_chains: int = 1) -> torch.Tensor:
+    def _build_potential(self, args, kwargs, initial, num_chains: int = 1) -> HMCState:
         """Build ``self._flat`` and ``self._engine`` for the model (with these arguments) or the
         ``potential_fn``, reusing the engine while the data are the same, and return every
-        chain's checked starting point, ``(num_chains, D)``. ``initial`` (unconstrained
-        values) has a leading chain dimension when ``num_chains > 1``."""
+        chain's checked starting state (Pyro's eager potential and gradient there), shapes
+        ``(num_chains, D)``, ``(num_chains,)``, ``(num_chains, D)``. ``initial``
+        (unconstrained values) has a leading chain dimension when ``num_chains > 1``."""
         batch = (num_chains,) if num_chains > 1 else ()
         first = None if initial is None else {k: torch.as_tensor(v)[(0,) * len(batch)] for k, v in initial.items()}
         if self.model is not None:
@@ -412,9 +412,8 @@ class HMC(MCMCKernel):
         self._engine = self._engines[key]
         self._flat = flat
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)
-        for z in zs:
-            potential.check_initial_point(flat, z)
-        return zs
+        U, g = zip(*(potential.check_initial_point(flat, z) for z in zs))
+        return HMCState(zs, torch.stack(U), torch.stack(g))
 
     def _checked_initial_params(self, initial):
         if initial is None:

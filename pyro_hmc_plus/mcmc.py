@@ -357,7 +357,7 @@ class _VectorizedRun:
         k._reset()
         k._warmup_steps = self.W
         self.T = max(1, self.T // k._steps_per_round())  # rounds per call
-        zs = k._build_potential(args, kwargs, initial, self.C)
+        state = k._build_potential(args, kwargs, initial, self.C)
         if k._engine.name == "eager" and self.C > 1:
             warn_user(
                 "pyro_hmc_plus: this model's gradient runs on eager autograd, so vectorized chains evaluate it "
@@ -368,9 +368,7 @@ class _VectorizedRun:
             )
         flat = k._flat
         self.layout, self.D = flat.layout, flat.dim
-        U, g = k._engine.eager_value_and_grad(zs)
-        state = HMCState(zs, U, g)
-        k._state = HMCState(zs[0], U[0], g[0])  # the kernel's single-chain view (validation points)
+        k._state = HMCState(*(x[0] for x in state))  # the kernel's single-chain view (validation points)
         self.block_mask = k._mass_structure()
         self.dense = self.block_mask is not None
         self.metric = unit_metric(self.D, self.dense, batch_shape=(self.C,), dtype=flat.dtype, device=flat.device)

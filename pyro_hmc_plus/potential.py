@@ -406,8 +406,9 @@ def _non_finite_sites(layout: SiteLayout, x: torch.Tensor) -> List[str]:
     return [name for name, v in layout.unpack(x).items() if not torch.isfinite(v).all()]
 
 
-def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
-    """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and gradient."""
+def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and
+    gradient; return them, ``U`` (0-d) and ``grad`` ``(D,)`` (the chain's first state)."""
     if z.shape != (flat.dim,):
         raise ValueError(f"initial point has shape {tuple(z.shape)}, expected ({flat.dim},)")
     if not torch.isfinite(z).all():
@@ -425,3 +426,4 @@ def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> None:
             f"{_non_finite_sites(flat.layout, g)} (e.g. "
             "sqrt or abs at 0); start where it is finite: other initial values, or another init_strategy"
         )
+    return U, g

@@ -434,6 +434,19 @@ def test_initial_params_per_chain_and_potential_fn(chain_method):
     assert (one.get_samples()["x"] > 0).all()
 
 
+def test_each_chains_first_state_is_the_checked_start():
+    """Setting up evaluates Pyro's potential and gradient at each chain's start once, in the
+    check that the start is valid, and that is the chain's first state: what a separate
+    evaluation would give, chain by chain."""
+    kernel = NUTS(gauss2d)
+    pyro.set_rng_seed(0)
+    start = kernel._build_potential((), {}, None, num_chains=3)
+    assert start.z.shape == (3, 2) and start.z[0].ne(start.z[1]).all()
+    for z, U, g in zip(*start):
+        U_ref, g_ref = kernel._flat.value_and_grad(z)
+        assert torch.equal(U, U_ref) and torch.equal(g, g_ref)
+
+
 def test_sequential_and_parallel_are_pyros():
     pyro.set_rng_seed(0)
     sequential = run(NUTS(gauss2d), num_chains=2, num_samples=50, warmup_steps=50, chain_method="sequential")
