@@ -803,6 +803,7 @@ _SHAPE_ONLY_FILL = {aten.zeros_like.default: 0, aten.ones_like.default: 1, aten.
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default}
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
+_LAYOUT_READS = {aten.as_strided.default, aten.as_strided_scatter.default}  # their results depend on strides
 _IDENTITY_SCALAR = {aten.add.Tensor: 0, aten.sub.Tensor: 0, aten.mul.Tensor: 1, aten.div.Tensor: 1,
                     aten.pow.Tensor_Scalar: 1, aten.mul.Scalar: 1}
 
@@ -856,6 +857,7 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     graph = gm.graph
     written = _written_storage(graph.nodes)
+    layout_read = any(n.target in _LAYOUT_READS for n in graph.nodes)
     const = {}
     for node in list(graph.nodes):
         if node.op == "get_attr":
@@ -896,8 +898,12 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if not users or not torch.is_tensor(value):
             continue  # only feeds other constants (or is a tuple consumed by getitem)
+        if not layout_read and not value.is_contiguous():
+            value = value.contiguous()  # a transposed matrix: its products run in its row order
+        elif value._is_view():
+            value = value.clone()  # not the storage it views (which may be far larger)
         with graph.inserting_before(node):
-            attr = _constant_node(gm, "_folded_", value.detach().clone() if value._is_view() else value.detach())
+            attr = _constant_node(gm, "_folded_", value.detach())
         for user in users:
             user.replace_input_with(node, attr)
     _eliminate_dead_code(graph)
