@@ -257,6 +257,26 @@ def test_folded_transposed_data_is_a_contiguous_constant():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
+
+def test_folding_keeps_layouts_where_the_graph_reads_them():
+    """``as_strided`` reads its input's memory layout, which an elementwise op takes from its
+    operands: with one in the graph, a folded transposed constant keeps its strides, and the
+    graph its values."""
+    aten = torch.ops.aten
+    root = torch.nn.Module()
+    root.register_buffer("x", torch.arange(6.0).reshape(2, 3))
+    graph = torch.fx.Graph()
+    z = graph.placeholder("z")
+    transposed = graph.call_function(aten.t.default, (graph.get_attr("x"),))
+    total = graph.call_function(aten.add.Tensor, (transposed, z))
+    graph.output(graph.call_function(aten.as_strided.default, (total, [3, 2], [1, 3])))
+    gm = torch.fx.GraphModule(root, graph)
+    z = torch.randn(3, 2)
+    expected = gm(z)
+    tracing.fold_constants(gm)
+    assert aten.t.default not in [n.target for n in gm.graph.nodes]  # folded
+    assert torch.equal(gm(z), expected)
+
 @pytest.mark.parametrize(
     "model,args",
     [(gauss2d, ()), (eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)),
