@@ -599,11 +599,11 @@ def _functional_without_copies(gm: torch.fx.GraphModule, example: torch.Tensor) 
     :func:`_record`, not ``make_fx``, whose first use imports ``torch._dynamo``), with every
     out-of-place ``copy(dst, src)`` of ``src`` 's shape and dtype replaced by a contiguous
     clone of ``src``: the same values, in a layout that every ``view`` after it accepts. (Only
-    ``as_strided`` reads a layout; where the graph still has one, only copies into contiguous
-    tensors are replaced.)"""
+    the ``as_strided`` ops read a layout (:func:`_reads_layouts`); where the graph still has
+    one, only copies into contiguous tensors are replaced.)"""
     functional = _record(torch.func.functionalize(gm), (example,))
     graph = functional.graph
-    layout_read = any(n.target is torch.ops.aten.as_strided.default for n in graph.nodes)
+    layout_read = _reads_layouts(graph)
     for node in list(graph.nodes):
         if node.target is not torch.ops.aten.copy.default:
             continue
@@ -804,6 +804,12 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default}
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
 _LAYOUT_READS = {aten.as_strided.default, aten.as_strided_scatter.default}  # their results depend on strides
+
+
+def _reads_layouts(graph: torch.fx.Graph) -> bool:
+    """Whether an op of ``graph`` reads memory layouts (strides), which every other op's
+    values are independent of: then no pass may change a tensor's layout."""
+    return any(n.target in _LAYOUT_READS for n in graph.nodes)
 _IDENTITY_SCALAR = {aten.add.Tensor: 0, aten.sub.Tensor: 0, aten.mul.Tensor: 1, aten.div.Tensor: 1,
                     aten.pow.Tensor_Scalar: 1, aten.mul.Scalar: 1}
 
@@ -857,7 +863,7 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """
     graph = gm.graph
     written = _written_storage(graph.nodes)
-    layout_read = any(n.target in _LAYOUT_READS for n in graph.nodes)
+    layout_read = _reads_layouts(graph)
     const = {}
     for node in list(graph.nodes):
         if node.op == "get_attr":
