@@ -293,6 +293,14 @@ class MCMC(pyro.infer.MCMC):
             print(f"\nNumber of divergences: {sum(len(d['divergences']) for d in self._diagnostics)}")
 
 
+def _setup_bar(total: int, disable: bool) -> tqdm:
+    """The run's progress bar, shown from the start as "Setup": tracing and checking the
+    model and building the sampler's programs come before the first draw (a second, or
+    ~15 s for a model of a thousand sample sites in a Python loop). Reset at the first draws,
+    so that its rate and time left are the sampling's."""
+    return tqdm(total=total, disable=disable, dynamic_ncols=True, desc="Setup")
+
+
 class _SequentialSampler(_UnarySampler):
     """Pyro's one-chain-after-another sampler (the same kernel calls, hooks and yields, by
     Pyro's own ``_gen_samples``) without its per-draw logging: Pyro sends every draw's
@@ -310,20 +318,21 @@ class _SequentialSampler(_UnarySampler):
                 self.draws.append([])
             if self.initial_params is not None:
                 self.kernel.initial_params = {k: v[chain] for k, v in self.initial_params.items()}
-            bar = tqdm(total=self.warmup_steps + self.num_samples, disable=self.disable_progbar,
-                       dynamic_ncols=True, desc="Warmup" if self.warmup_steps else "Sample")
+            bar = _setup_bar(self.warmup_steps + self.num_samples, self.disable_progbar)
             shown = {"stage": None, "at": 0.0}
 
             def hook(kernel, params, stage, i):
                 if self.draws:
                     self.draws[-1].append(kernel._state.z)  # the flat vector ``params`` unpacks (never written)
-                bar.update(1)
                 if not self.disable_progbar:
                     now = time.monotonic()
                     if stage != shown["stage"]:
+                        if shown["stage"] is None:
+                            bar.reset()  # rate and time left from the first draw on, not the setup
                         shown["stage"] = stage
                         bar.set_description(stage, refresh=False)
-                    if now - shown["at"] > 0.5:
+                    bar.update(1)
+                    if now - shown["at"] > 0.5 or bar.n == bar.total:  # and the chain's last values
                         shown["at"] = now
                         bar.set_postfix(kernel.logging(), refresh=False)
                 if self.hook is not None:
@@ -334,8 +343,8 @@ class _SequentialSampler(_UnarySampler):
                                            chain if self.num_chains > 1 else None, *args, **kwargs):
                     yield sample, chain
             finally:
-                if not self.disable_progbar and bar.n:  # the chain's last values, not the last shown
-                    bar.set_postfix(self.kernel.logging(), refresh=False)
+                if not self.disable_progbar and 0 < bar.n < bar.total:  # stopped: its values then
+                    bar.set_postfix(self.kernel.logging(), refresh=False)  # (a finished chain's kernel is reset)
                 bar.close()
             self.kernel.cleanup()
 
@@ -506,7 +515,12 @@ class _VectorizedRun:
         needed (:class:`_Rows`): per call the host reads only how many draws each chain made.
         A compiled call for a few chains takes ~0.2 ms, as long as rebuilding the records
         and splitting the draws row by row took."""
-        self._setup(args, kwargs, initial)
+        bar = _setup_bar(self.C * self.total, disable_progbar)
+        try:
+            self._setup(args, kwargs, initial)
+        except BaseException:
+            bar.close()
+            raise
         C, T = self.C, self.T
         self._eager_advance = {}
         programs = {}
@@ -519,8 +533,7 @@ class _VectorizedRun:
         counts = [0] * C
         pause_at = self.schedule.pause_at.tolist()
         slots, useful = 0, torch.zeros((), dtype=torch.int64)  # steps that did work, summed without host reads
-        bar = tqdm(total=C * self.total, disable=disable_progbar, dynamic_ncols=True, desc="Warmup")
-        last_postfix = 0.0
+        last_postfix, first_round = 0.0, True
         try:
             while min(counts) < self.total:
                 noise = torch.randn((T, C, self.D), dtype=z.dtype, device=z.device)
@@ -559,6 +572,9 @@ class _VectorizedRun:
                     if kind == rounds.CHUNKS:  # the resumed chains start transitions
                         kind = rounds.MIXED
                     _, leaves, fixed = self._flat_inputs()
+                if first_round:  # over, with the building of its program
+                    bar.reset()  # rate and time left from here on, not the setup
+                    first_round = False
                 bar.update(sum(emitted))
                 now = time.monotonic()
                 if now - last_postfix > 0.5 and not disable_progbar:

@@ -5,6 +5,7 @@ against exact posteriors and against sequential chains (MCSE tolerances, fixed s
 import functools
 import inspect
 import math
+import time
 import warnings
 
 import arviz as az
@@ -460,12 +461,12 @@ def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
     """Our "sequential" chains make the same kernel calls as pyro.infer.MCMC: the same seed
     gives the same draws and diagnostics, and hook_fn sees the same stages, indices and
     parameters; the progress bar shows the kernel's logging (Pyro sends it through JSON at
-    every draw)."""
+    every draw), from "Setup" (tracing the model) to the chain's last values."""
     def run_with(mcmc_class, num_chains, **kw):
         calls = []
         pyro.set_rng_seed(3)
         mcmc = mcmc_class(NUTS(gauss2d), num_samples=30, warmup_steps=20, num_chains=num_chains,
-                          hook_fn=lambda k, p, stage, i: calls.append((stage, i, p["q"].clone())), **kw)
+                          hook_fn=lambda k, p, stage, i: calls.append((stage, i, p["q"].clone(), k.logging())), **kw)
         mcmc.run()
         return mcmc, calls
 
@@ -477,11 +478,45 @@ def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
     assert ours.diagnostics()["divergences"] == pyros.diagnostics()["divergences"]
     err = capsys.readouterr().err
     assert "50/50" in err and "step size=" in err and "acc. prob=" in err
-    final = ours.kernel.logging()  # the bar ends on the chain's last values (a short run shows them once before)
-    assert f"step size={final['step size']}, acc. prob={final['acc. prob']}" in err.split("\r")[-1]
+    shown = [line for line in err.split("\r") if line.strip()]
+    assert shown[0].startswith("Setup") and "0/50" in shown[0]
+    final = our_calls[-1][3]  # the bar ends on the chain's last values (a short run shows them once before)
+    assert f"step size={final['step size']}, acc. prob={final['acc. prob']}" in shown[-1]
 
     _, calls = run_with(MCMC, 2, chain_method="sequential", disable_progbar=True, warn_on_problems=False)
     assert calls[0][:2] == ("Warmup [0]", 0) and calls[20][:2] == ("Sample [0]", 0) and calls[-1][:2] == ("Sample [1]", 29)
+
+
+@pytest.mark.parametrize("chain_method", ["sequential", "vectorized"])
+def test_the_progress_bar_counts_from_the_first_draw_and_ends_on_the_last_values(chain_method, capsys):
+    """The bar shows "Setup" while the model is traced, then restarts its clock at the first
+    draws (its rate and time left are the sampling's, not the tracing's), and ends on the
+    chain's last values: not those of its kernel, reset after the chain (acceptance 0)."""
+    executions = []
+
+    def slow_gauss2d():  # executed only while setting up: the sampler runs its traced gradient
+        executions.append(time.sleep(0.2))
+        gauss2d()
+
+    last = []
+
+    def remember(kernel, params, stage, i):
+        last[:] = [kernel.logging()]
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(slow_gauss2d), num_samples=20, warmup_steps=100, chain_method=chain_method,
+                disable_progbar=False, warn_on_problems=False, hook_fn=remember)
+    mcmc.run()
+    setup_s = 0.2 * len(executions)
+    assert setup_s >= 3
+    shown = [line for line in capsys.readouterr().err.split("\r") if line.strip()]
+    assert shown[0].startswith("Setup")
+    minutes, seconds = shown[-1].split("120/120 [")[1].split("<")[0].split(":")
+    assert 60 * int(minutes) + int(seconds) < setup_s - 1  # the sampling's time only
+    if chain_method == "sequential":
+        final = last[0]
+        assert float(final["acc. prob"]) > 0.5
+        assert f"step size={final['step size']}, acc. prob={final['acc. prob']}" in shown[-1]
 
 
 def _narrow_normal():
@@ -568,6 +603,7 @@ def test_progress_bar_shows_phase_divergences_and_step_sizes(capsys):
                 warn_on_problems=False)
     mcmc.run()
     err = capsys.readouterr().err
+    assert err.lstrip("\r").startswith("Setup")  # tracing the model, before the first draw
     assert "Sample" in err and "160/160" in err
     assert "divergences=" in err and "step size=" in err
 
