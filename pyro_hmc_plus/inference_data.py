@@ -592,6 +592,12 @@ def summary_table(samples: Dict[str, torch.Tensor], prob: float = 0.9):
     import pandas as pd
     from pyro.infer.mcmc.util import summary
 
+    num_draws = min((v.shape[1] for v in samples.values()), default=0)
+    if num_draws < 4:
+        raise ValueError(
+            f"the summary's split R-hat (Pyro's) needs at least 4 draws per chain; this run kept {num_draws}: "
+            "run more draws, or read mcmc.get_samples() directly"
+        )
     pyro_stats = summary(samples, prob=prob, group_by_chain=True)
     rows, index = [], []
     for name in sorted(samples):

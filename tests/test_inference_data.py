@@ -353,6 +353,17 @@ def test_summary_prints_pyro_and_arviz_columns(schools_run, capsys):
     assert "theta_raw[7]" in out and "Number of divergences" in out
 
 
+def test_summary_of_too_few_draws_says_so():
+    """Pyro's split R-hat halves each chain: under 4 draws a chain its summary fails on a bare
+    assertion (pyro.infer.MCMC too); ours says why and what to do."""
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(gamma_poisson), num_samples=3, warmup_steps=10, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="at least 4 draws per chain; this run kept 3"):
+        mcmc.summary()
+
+
 def test_kernels_without_statistics_get_a_clear_error():
     pyro.set_rng_seed(0)
     mcmc = pyro.infer.MCMC(pyro.infer.NUTS(gamma_poisson), num_samples=10, warmup_steps=10, disable_progbar=True)
