@@ -804,14 +804,14 @@ _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
              aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default}
 _PERMUTES = {aten.permute.default, aten.t.default, aten.transpose.int}
 _LAYOUT_READS = {aten.as_strided.default, aten.as_strided_scatter.default}  # their results depend on strides
+_IDENTITY_SCALAR = {aten.add.Tensor: 0, aten.sub.Tensor: 0, aten.mul.Tensor: 1, aten.div.Tensor: 1,
+                    aten.pow.Tensor_Scalar: 1, aten.mul.Scalar: 1}
 
 
 def _reads_layouts(graph: torch.fx.Graph) -> bool:
     """Whether an op of ``graph`` reads memory layouts (strides), which every other op's
     values are independent of: then no pass may change a tensor's layout."""
     return any(n.target in _LAYOUT_READS for n in graph.nodes)
-_IDENTITY_SCALAR = {aten.add.Tensor: 0, aten.sub.Tensor: 0, aten.mul.Tensor: 1, aten.div.Tensor: 1,
-                    aten.pow.Tensor_Scalar: 1, aten.mul.Scalar: 1}
 
 
 def _constant_node(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor) -> torch.fx.Node:
@@ -859,7 +859,9 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     view of it (``probs = zeros(n, 3); probs[:, 0] = f(z)``, as in ``OrderedLogistic``): its
     value at the op that made it is not the value later readers see. Error checks on
     constants that passed at trace time (``_linalg_check_errors``) are removed; checks on
-    inputs stay.
+    inputs stay. A folded constant is laid out contiguously (a transposed design matrix, as
+    autograd's ``X.t()``: its matrix-vector product ~1.5x faster), unless the graph reads
+    layouts (:func:`_reads_layouts`).
     """
     graph = gm.graph
     written = _written_storage(graph.nodes)
