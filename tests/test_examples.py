@@ -39,6 +39,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("varying_slopes.py", "true group effects inside the 90% intervals"),
         ("mixture.py", "\nordered locations:"),  # the second run (not "unordered")
         ("changepoint.py", "the first year of the late rate, most probable years:"),
+        ("missing_data.py", "of the true missing inputs inside their 90% intervals"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
