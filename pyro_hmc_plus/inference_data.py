@@ -4,7 +4,8 @@
 :class:`pyro.infer.MCMC` -- into ArviZ data with everything a sampler records: the posterior
 in constrained space (dims named after ``pyro.plate`` s where the shapes say so), every
 draw's sample statistics with Stan's names, warmup, pointwise log likelihood per observed
-site, observed and constant data. It is built with ArviZ's public ``from_dict``, so it works
+site, observed and constant data, and the posterior predictive, prior and prediction draws
+that ``pyro.infer.Predictive`` gives it. It is built with ArviZ's public ``from_dict``, so it works
 with ArviZ 0.x and stays clear of its internals.
 
 :func:`diagnose` checks a run the way Stan's ``diagnose`` does (divergences, maximum tree
@@ -151,6 +152,11 @@ def to_inference_data(
     log_likelihood: bool = True,
     constant_data: Optional[dict] = None,
     deterministic: bool = True,
+    posterior_predictive: Optional[dict] = None,
+    prior: Optional[dict] = None,
+    predictions: Optional[dict] = None,
+    predictions_constant_data: Optional[dict] = None,
+    pred_dims: Optional[dict] = None,
 ):
     """ArviZ data (``InferenceData``; a ``DataTree`` with ArviZ 1.x) for a run of :class:`~pyro_hmc_plus.HMC` / :class:`~pyro_hmc_plus.NUTS`.
 
@@ -170,6 +176,23 @@ def to_inference_data(
         change point), as are ``pyro.deterministic`` values that depend on discrete sites.
     :param dict constant_data: extra data to store (``{name: array}``).
     :param bool deterministic: export the ``pyro.deterministic`` sites (below).
+    :param dict posterior_predictive: replicated data, ``{site: draws}`` as
+        ``pyro.infer.Predictive(model, mcmc.get_samples())`` returns them: a leading
+        dimension of every chain's draws, chain after chain (or ``(chains, draws)``), for
+        ``az.plot_ppc``. ``Predictive`` returns an observed site's *data*, not new draws,
+        unless the model is run without its observations (``y=None``) or wrapped in
+        ``pyro.poutine.uncondition``; replicated data equal to the observed data at every
+        draw gets a warning that says so.
+    :param dict prior: draws of ``Predictive(model, num_samples=N)`` (one chain of ``N``
+        draws): the latent and deterministic sites go to the ``prior`` group, the observed
+        ones to ``prior_predictive``.
+    :param dict predictions: out-of-sample predictions, as ``posterior_predictive``, with
+        their inputs in ``predictions_constant_data`` and their dims in ``pred_dims``
+        (``dims`` where not given).
+
+    ``Predictive`` pads a site's draws with dimensions of size 1 for the model's plates
+    (a scalar site of a model with one plate comes back as ``(draws, 1)``); those are removed,
+    so that each site has the shape it has in the posterior and the observed data.
 
     ``pyro.deterministic`` sites are in the posterior, their value at every draw from the same
     replay (as NumPyro's export and Stan's transformed parameters): Pyro records them as
@@ -186,13 +209,14 @@ def to_inference_data(
     warm_stats, post_stats = _split_stats(stats, num_draws)
     model = getattr(mcmc.kernel, "model", None)
     args, kwargs = getattr(mcmc, "_args", None) or (), getattr(mcmc, "_kwargs", None) or {}
-    all_dims = {}
+    all_dims, site_ndims = {}, {}
     observed, loglik, computed = {}, {}, {}
     if model is not None:
         raw_model, first_draw = model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]}
         model = _starting_at(model, first_draw)
         trace = model_trace(model, args, kwargs)
         all_dims = plate_dims(trace)
+        site_ndims = {name: site["value"].dim() for name, site in trace.nodes.items() if site["type"] == "sample"}
         observed = {
             name: site["value"].detach().cpu().numpy()
             for name, site in trace.nodes.items()
@@ -248,6 +272,21 @@ def to_inference_data(
         groups["observed_data"] = observed
     if constant_data:
         groups["constant_data"] = {k: np.asarray(v) for k, v in constant_data.items()}
+    as_run = functools.partial(_predictive_draws, num_chains=num_chains, num_draws=num_draws, site_ndims=site_ndims)
+    if posterior_predictive:
+        groups["posterior_predictive"] = as_run(posterior_predictive, "posterior_predictive")
+        _warn_if_observed_data(groups["posterior_predictive"], observed, "posterior_predictive")
+    if prior:
+        drawn = as_run(prior, "prior", num_chains=1, num_draws=None)
+        for group, names in (("prior", [k for k in drawn if k not in observed]),
+                             ("prior_predictive", [k for k in drawn if k in observed])):
+            if names:
+                groups[group] = {k: drawn[k] for k in names}
+        _warn_if_observed_data(groups.get("prior_predictive", {}), observed, "prior")
+    if predictions:
+        groups["predictions"] = as_run(predictions, "predictions")
+    if predictions_constant_data:
+        groups["predictions_constant_data"] = {k: np.asarray(v) for k, v in predictions_constant_data.items()}
     if save_warmup:
         groups["warmup_sample_stats"] = warm_stats
         warmup_samples = getattr(mcmc, "warmup_samples", None)
@@ -261,17 +300,61 @@ def to_inference_data(
                 UserWarning,
             )
     used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values())}
-    return _from_dict(groups, coords, used, save_warmup)
+    return _from_dict(groups, coords, used, used if pred_dims is None else pred_dims, save_warmup)
 
 
-def _from_dict(groups: dict, coords, dims, save_warmup: bool):
+def _from_dict(groups: dict, coords, dims, pred_dims, save_warmup: bool):
     """ArviZ's public ``from_dict``: keyword groups in ArviZ 0.x (``InferenceData``), one dict
     of groups in ArviZ 1.x (``DataTree``)."""
     import arviz as az  # imported on use: it takes ~2 s, more than torch and Pyro together
 
     if int(az.__version__.split(".")[0]) >= 1:
-        return az.from_dict(groups, coords=coords, dims=dims, save_warmup=save_warmup)
-    return az.from_dict(**groups, coords=coords, dims=dims, save_warmup=save_warmup)
+        return az.from_dict(groups, coords=coords, dims=dims, pred_dims=pred_dims, save_warmup=save_warmup)
+    return az.from_dict(**groups, coords=coords, dims=dims, pred_dims=pred_dims, save_warmup=save_warmup)
+
+
+def _predictive_draws(values: dict, group: str, *, num_chains: int, num_draws: Optional[int],
+                      site_ndims: Dict[str, int]) -> Dict[str, np.ndarray]:
+    """``{site: (chains, draws, *site shape)}`` arrays of draws given as ``Predictive``
+    returns them: a leading dimension of ``chains * draws`` (chain after chain, as
+    ``mcmc.get_samples()`` orders them) or leading ``(chains, draws)``; ``num_draws`` None
+    takes any number of draws (a prior's). The dimensions of size 1 that ``Predictive`` puts
+    left of a site's value for the model's plates are removed where the model's trace gives
+    the site's number of dimensions."""
+    arrays = {}
+    for name, value in values.items():
+        x = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
+        draws = num_draws if num_draws is not None else (x.shape[0] if x.ndim else 0)
+        if x.shape[:2] == (num_chains, draws):
+            rest = x.shape[2:]
+        elif x.ndim and x.shape[0] == num_chains * draws:
+            rest = x.shape[1:]
+        else:
+            raise ValueError(
+                f"{group}[{name!r}] has shape {tuple(x.shape)}; expected a leading dimension of the run's "
+                f"{num_chains} chains x {draws} draws = {num_chains * draws} (what Predictive(model, "
+                f"mcmc.get_samples()) returns) or leading ({num_chains}, {draws})"
+            )
+        ndim = site_ndims.get(name)
+        while ndim is not None and len(rest) > ndim and rest[0] == 1:
+            rest = rest[1:]
+        arrays[name] = x.reshape((num_chains, draws) + rest)
+    return arrays
+
+
+def _warn_if_observed_data(replicated: Dict[str, np.ndarray], observed: Dict[str, np.ndarray], group: str):
+    """Warns where "replicated" data are the observed data at every draw: ``Predictive``
+    returns an observed site's data when the model is run with its observations, which makes
+    a posterior predictive check look perfect."""
+    copies = [name for name, x in replicated.items() if name in observed
+              and x.shape[2:] == observed[name].shape and bool((x == observed[name]).all())]
+    if copies:
+        warn_user(
+            f"{group} {copies} equal the observed data at every draw: pyro.infer.Predictive returns an "
+            "observed site's data, not new draws, when the model is given its observations; run it "
+            "without them (y=None) or pass Predictive pyro.poutine.uncondition(model)",
+            UserWarning,
+        )
 
 
 def _plate_nesting(trace) -> int:

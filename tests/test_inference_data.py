@@ -245,6 +245,59 @@ def test_arviz_functions_and_plots_run(schools_run, tmp_path):
     assert (tmp_path / "pair.png").stat().st_size > 0
 
 
+def test_predictive_draws_are_exported_by_chain_and_draw_with_the_plates_dims(schools_run, tmp_path):
+    """Posterior predictive, prior and predictions as Predictive returns them: each draw lands
+    at its chain and draw, Predictive's padding for the plates is removed, and the plates name
+    the dims of the replicated data as they name the observed data's."""
+    import matplotlib.pyplot as plt
+
+    samples = schools_run.get_samples()
+    replicate = pyro.infer.Predictive(pyro.poutine.uncondition(eight_schools), samples)
+    replicated = replicate(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    prior = pyro.infer.Predictive(pyro.poutine.uncondition(eight_schools), num_samples=30)(
+        EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    assert prior["mu"].shape == (30, 1)  # Predictive's padding for the plate
+    new_sigma = torch.tensor([5.0, 50.0, 500.0])
+    new_y = samples["mu"][:, None] + samples["tau"][:, None] * torch.randn(800, 3) * new_sigma
+    idata = to_inference_data(
+        schools_run, posterior_predictive={**replicated, "mu_again": samples["mu"]}, prior=prior,
+        predictions={"y_new": new_y}, predictions_constant_data={"sigma_new": new_sigma.numpy()},
+        pred_dims={"y_new": ["new_school"], "sigma_new": ["new_school"]},
+    )
+    # every value sits at the chain and draw of the posterior draw it was made from
+    np.testing.assert_array_equal(idata.posterior_predictive["mu_again"], idata.posterior["mu"])
+    assert idata.posterior_predictive["y"].dims == ("chain", "draw", "schools") == idata.log_likelihood["y"].dims
+    assert idata.posterior_predictive["y"].shape == (4, 200, 8)
+    assert not (idata.posterior_predictive["y"] == EIGHT_SCHOOLS_Y.numpy()).all()
+    assert idata.prior["mu"].shape == (1, 30) and idata.prior["theta_raw"].dims == ("chain", "draw", "schools")
+    assert set(idata.prior.data_vars) == {"mu", "tau", "theta_raw"}
+    assert set(idata.prior_predictive.data_vars) == {"y"} and idata.prior_predictive["y"].shape == (1, 30, 8)
+    assert idata.predictions["y_new"].dims == ("chain", "draw", "new_school")
+    np.testing.assert_array_equal(idata.predictions["y_new"].values.reshape(800, 3), new_y.numpy())
+    np.testing.assert_array_equal(idata.predictions_constant_data["sigma_new"], new_sigma.numpy())
+    az.plot_ppc(idata, num_pp_samples=50)
+    plt.close("all")
+    # leading (chains, draws) is taken as it is
+    by_chain = {"y": replicated["y"].reshape(4, 200, 8)}
+    np.testing.assert_array_equal(to_inference_data(schools_run, posterior_predictive=by_chain).posterior_predictive["y"],
+                                  idata.posterior_predictive["y"])
+
+
+def test_replicated_data_that_are_the_observed_data_get_a_warning(schools_run):
+    """Predictive run with the observations returns them at every draw: a posterior
+    predictive check of them would look perfect."""
+    copies = pyro.infer.Predictive(eight_schools, schools_run.get_samples())(EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    with pytest.warns(UserWarning, match=r"posterior_predictive \['y'\] equal the observed data.*uncondition"):
+        to_inference_data(schools_run, posterior_predictive=copies, log_likelihood=False)
+
+
+def test_predictive_draws_of_another_run_get_a_clear_error(schools_run):
+    draws = pyro.infer.Predictive(pyro.poutine.uncondition(eight_schools), num_samples=100)(
+        EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA)
+    with pytest.raises(ValueError, match=r"posterior_predictive\[.mu.\] has shape \(100, 1\).*4 chains x 200 draws = 800"):
+        to_inference_data(schools_run, posterior_predictive=draws, log_likelihood=False)
+
+
 def test_chain_order_with_twelve_chains():
     pyro.set_rng_seed(1)
     mcmc = MCMC(NUTS(eight_schools), num_samples=20, warmup_steps=20, num_chains=12, disable_progbar=True,
