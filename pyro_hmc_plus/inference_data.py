@@ -182,7 +182,7 @@ def to_inference_data(
         ``az.plot_ppc``. ``Predictive`` returns an observed site's *data*, not new draws,
         unless the model is run without its observations (``y=None``) or wrapped in
         ``pyro.poutine.uncondition``; replicated data equal to the observed data at every
-        draw gets a warning that says so.
+        draw get a warning that says so.
     :param dict prior: draws of ``Predictive(model, num_samples=N)`` (one chain of ``N``
         draws): the latent and deterministic sites go to the ``prior`` group, the observed
         ones to ``prior_predictive``.
