@@ -8,7 +8,7 @@ point estimate cannot show. The network's output at each input is recorded with
 The weights themselves are not identifiable (swapping two hidden units, or flipping the
 signs of one unit's weights, gives the same function), so their R-hat is high across chains
 and the run warns about it: judge the predictions (the ``f`` rows of the summary), not the
-weights. About two minutes on 2 cores: the trees are deep (hundreds of leapfrog steps a draw).
+weights. About a minute and a half on 2 cores: the trees are deep (hundreds of leapfrog steps a draw).
 
     python examples/bayesian_neural_network.py [--num-samples N] [--out DIR] [--no-plots]
 """

@@ -6,7 +6,7 @@ warning with the usual remedy. The non-centered version ``theta = mu + tau * the
 samples cleanly. Both run 4 chains in one process (``pyro_hmc_plus.MCMC``, vectorized), are
 exported with ``to_inference_data`` and plotted with ArviZ: a trace plot, an energy plot
 (E-BFMI) and a pair plot of ``(log tau, theta[0])`` with the divergent draws in red. Figures
-go to ``--out`` (default ``figures/``). Takes about 30 s on 2 cores.
+go to ``--out`` (default ``figures/``). Takes about 20 s on 2 cores.
 
     python examples/eight_schools.py [--num-samples N] [--out DIR] [--no-plots]
 """

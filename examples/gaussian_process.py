@@ -1,8 +1,8 @@
 """A fully Bayesian Gaussian-process regression with sparsity-inducing (half-Cauchy) priors
 on the inverse lengthscales, as Bayesian-optimisation libraries fit with NUTS: 40 points in
 4 input dimensions of which only the first two matter. The posterior of the inverse
-lengthscales shows which inputs are relevant (large) and which are not (near 0). About a
-minute on 2 cores (a 40 x 40 Cholesky per gradient).
+lengthscales shows which inputs are relevant (large) and which are not (near 0). About 15 s
+on 2 cores (a 40 x 40 Cholesky per gradient).
 
     python examples/gaussian_process.py [--num-samples N] [--out DIR] [--no-plots]
 """

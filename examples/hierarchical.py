@@ -1,7 +1,7 @@
 """A hierarchical model with plates: varying intercepts for 40 groups (non-centered), a
 common slope, 400 observations. Shows ArviZ dims named after the ``pyro.plate`` s, the
 group-level posterior against the simulation's truth, the run's own diagnostics, and a
-forest plot of the intercepts. About 30 s on 2 cores.
+forest plot of the intercepts. About 15 s on 2 cores.
 
     python examples/hierarchical.py [--num-samples N] [--out DIR] [--no-plots]
 """

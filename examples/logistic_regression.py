@@ -1,6 +1,6 @@
 """Bayesian logistic regression (N=1,000 observations, 10 coefficients and an intercept) with
 NUTS: 4 chains in one process, the posterior against the coefficients that generated the
-data, and a trace plot. About 20 s on 2 cores.
+data, and a trace plot. About 10 s on 2 cores.
 
     python examples/logistic_regression.py [--num-samples N] [--out DIR] [--no-plots]
 """

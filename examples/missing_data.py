@@ -1,5 +1,5 @@
 """Missing covariates: a linear regression where 30% of the inputs ``x`` were not recorded
-(at random), and NUTS imputes them along with the parameters. About 15 s on 2 cores.
+(at random), and NUTS imputes them along with the parameters. About 20 s on 2 cores.
 
 The missing values are latent: a prior for ``x`` (its own mean and scale, learnt from the
 recorded values) and the likelihood of ``y``, which also depends on them, give each one a

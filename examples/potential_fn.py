@@ -1,7 +1,7 @@
 """Sampling without a Pyro model: ``HMC``/``NUTS`` over a hand-written ``potential_fn`` of a
 dict of unconstrained tensors, as in Pyro. The target is a banana-shaped density (a
 Rosenbrock-like warp of a Gaussian) plus a positive scale handled through a transform. About
-15 s on 2 cores.
+10 s on 2 cores.
 
     python examples/potential_fn.py [--num-samples N] [--out DIR] [--no-plots]
 """

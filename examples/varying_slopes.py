@@ -3,7 +3,7 @@ and the groups' intercepts and slopes come from one bivariate normal whose corre
 an LKJ prior (simulated data, so the truth is known). NUTS with 4 chains in one process;
 the population parameters against the values that generated the data, how many of the true
 group lines the 90% intervals cover, and a plot of the partial pooling (each group's
-least-squares line against its posterior mean). About 15 s on 2 cores.
+least-squares line against its posterior mean). About 25 s on 2 cores.
 
 Twenty groups say little about the population's correlation: the table puts beside the
 truth the mean, scale and correlation of the 20 groups' effects as drawn and the scale of
