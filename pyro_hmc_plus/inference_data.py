@@ -174,6 +174,10 @@ def to_inference_data(
         plates (a mixture's assignments, one per observation), as the potential does; it is
         left out, with a warning, where a discrete site is shared by several observations (a
         change point), as are ``pyro.deterministic`` values that depend on discrete sites.
+        A ``pyro.factor`` term is a likelihood term where it is pointwise (it has batch
+        dimensions: a custom likelihood in a plate), and left out where it is a scalar (a
+        prior term, a penalty, a Jacobian: nothing to leave one out of); factors are never
+        in ``observed_data`` (their values are empty placeholders).
     :param dict constant_data: extra data to store (``{name: array}``).
     :param bool deterministic: export the ``pyro.deterministic`` sites (below).
     :param dict posterior_predictive: replicated data, ``{site: draws}`` as
@@ -209,24 +213,25 @@ def to_inference_data(
     warm_stats, post_stats = _split_stats(stats, num_draws)
     model = getattr(mcmc.kernel, "model", None)
     args, kwargs = getattr(mcmc, "_args", None) or (), getattr(mcmc, "_kwargs", None) or {}
-    all_dims, site_ndims = {}, {}
+    all_dims, site_ndims, factors = {}, {}, set()
     observed, loglik, computed = {}, {}, {}
     if model is not None:
         raw_model, first_draw = model, {k: v[0, 0].detach() for k, v in by_chain.items() if v.shape[1]}
         model = _starting_at(model, first_draw)
         trace = model_trace(model, args, kwargs)
         all_dims = plate_dims(trace)
-        site_ndims = {name: site["value"].dim() for name, site in trace.nodes.items() if site["type"] == "sample"}
-        observed = {
-            name: site["value"].detach().cpu().numpy()
-            for name, site in trace.nodes.items()
-            if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
-            and not _is_deterministic(site)
-        }
+        factors = {name for name, site in trace.nodes.items() if site["type"] == "sample" and _is_factor(site)}
+        site_ndims = {name: site["value"].dim() for name, site in trace.nodes.items()
+                      if site["type"] == "sample" and name not in factors}
+        terms = [name for name, site in trace.nodes.items()
+                 if site["type"] == "sample" and site["is_observed"] and not site_is_subsample(site)
+                 and not _is_deterministic(site)]
+        observed = {name: trace.nodes[name]["value"].detach().cpu().numpy() for name in terms if name not in factors}
+        pointwise = [name for name in terms if name in observed or _log_density(trace.nodes[name]).dim() > 0]
         shapes = {name: tuple(site["value"].shape) for name, site in trace.nodes.items()
                   if deterministic and _is_deterministic(site)}
         marginalised = [name for name, site in trace.nodes.items() if _is_marginalised(site)]
-        replayed, summed_out, enumerated = (observed if log_likelihood else {}), None, None
+        replayed, summed_out, enumerated = (pointwise if log_likelihood else []), None, None
         unsaved = [name for name, site in trace.nodes.items()
                    if _is_latent(site) and not _is_marginalised(site) and name not in by_chain]
         if unsaved and (replayed or shapes):
@@ -238,7 +243,7 @@ def to_inference_data(
                 "deterministic=False export without this warning)",
                 UserWarning,
             )
-            replayed, shapes = {}, {}
+            replayed, shapes = [], {}
         if marginalised:
             # the draws lack the discrete sites' values (:func:`_enumeration_plan`); the model is
             # enumerated as the kernel ran it, left of the plates it was given (or has)
@@ -248,7 +253,7 @@ def to_inference_data(
                                 if replayed or shapes else ({}, []))
             left_out = [name for name in shapes if name not in kept]
             left_out += [name for name in replayed if name not in summed_out]
-            shapes, replayed = {name: shapes[name] for name in kept}, {name: replayed[name] for name in summed_out}
+            shapes, replayed = {name: shapes[name] for name in kept}, [name for name in replayed if name in summed_out]
             if left_out:
                 warn_user(
                     f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled, so "
@@ -272,7 +277,8 @@ def to_inference_data(
         groups["observed_data"] = observed
     if constant_data:
         groups["constant_data"] = {k: np.asarray(v) for k, v in constant_data.items()}
-    as_run = functools.partial(_predictive_draws, num_chains=num_chains, num_draws=num_draws, site_ndims=site_ndims)
+    as_run = functools.partial(_predictive_draws, num_chains=num_chains, num_draws=num_draws, site_ndims=site_ndims,
+                               factors=factors)
     if posterior_predictive:
         groups["posterior_predictive"] = as_run(posterior_predictive, "posterior_predictive")
         _warn_if_observed_data(groups["posterior_predictive"], observed, "posterior_predictive")
@@ -314,15 +320,18 @@ def _from_dict(groups: dict, coords, dims, pred_dims, save_warmup: bool):
 
 
 def _predictive_draws(values: dict, group: str, *, num_chains: int, num_draws: Optional[int],
-                      site_ndims: Dict[str, int]) -> Dict[str, np.ndarray]:
+                      site_ndims: Dict[str, int], factors: set) -> Dict[str, np.ndarray]:
     """``{site: (chains, draws, *site shape)}`` arrays of draws given as ``Predictive``
     returns them: a leading dimension of ``chains * draws`` (chain after chain, as
     ``mcmc.get_samples()`` orders them) or leading ``(chains, draws)``; ``num_draws`` None
     takes any number of draws (a prior's). The dimensions of size 1 that ``Predictive`` puts
     left of a site's value for the model's plates are removed where the model's trace gives
-    the site's number of dimensions."""
+    the site's number of dimensions. ``pyro.factor`` sites (``factors``), whose values
+    ``Predictive`` returns as empty tensors, are left out."""
     arrays = {}
     for name, value in values.items():
+        if name in factors:
+            continue
         x = value.detach().cpu().numpy() if torch.is_tensor(value) else np.asarray(value)
         draws = num_draws if num_draws is not None else (x.shape[0] if x.ndim else 0)
         if x.shape[:2] == (num_chains, draws):
@@ -392,6 +401,15 @@ def _is_deterministic(site) -> bool:
     while isinstance(fn, (pyro.distributions.MaskedDistribution, pyro.distributions.Independent)):
         fn = fn.base_dist
     return bool(site["infer"].get("_deterministic")) or isinstance(fn, pyro.distributions.Delta)
+
+
+def _is_factor(site) -> bool:
+    """A ``pyro.factor`` site: an observed ``Unit`` whose value is an empty placeholder and
+    whose log density is the factor."""
+    fn = site["fn"]
+    while isinstance(fn, (pyro.distributions.MaskedDistribution, pyro.distributions.Independent)):
+        fn = fn.base_dist
+    return isinstance(fn, pyro.distributions.Unit)
 
 
 def _replay(replay_at, samples, num_chains, num_draws):

@@ -298,6 +298,37 @@ def test_predictive_draws_of_another_run_get_a_clear_error(schools_run):
         to_inference_data(schools_run, posterior_predictive=draws, log_likelihood=False)
 
 
+def test_factor_sites_are_no_data_and_only_pointwise_ones_are_likelihood_terms():
+    """``pyro.factor``: a scalar prior term (Stan's ``ordered`` locations with a Normal prior)
+    is no observation to leave out, a factor in a plate is a custom pointwise likelihood, and
+    neither has data (Pyro stores an empty placeholder as its value)."""
+    y = torch.tensor([0.5, 1.5, 1.0, 2.0])
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        pyro.factor("penalty", -0.01 * mu ** 2)
+        with pyro.plate("obs", len(y)):
+            pyro.factor("likelihood", dist.Normal(mu, 1.0).log_prob(y))
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
+                warn_on_problems=False)
+    mcmc.run(y)
+    replicated = pyro.infer.Predictive(model, mcmc.get_samples())(y)
+    assert replicated["likelihood"].shape == (100, 4, 0)  # Predictive's empty values of the factors
+    idata = to_inference_data(mcmc, posterior_predictive={**replicated, "mu_again": mcmc.get_samples()["mu"]})
+    assert "observed_data" not in idata.groups()
+    assert list(idata.log_likelihood.data_vars) == ["likelihood"]
+    assert idata.log_likelihood["likelihood"].dims == ("chain", "draw", "obs")
+    mu = idata.posterior["mu"].values[..., None]
+    np.testing.assert_allclose(idata.log_likelihood["likelihood"], dist.Normal(torch.tensor(mu), 1.0).log_prob(y).numpy(),
+                               rtol=1e-5)
+    assert list(idata.posterior_predictive.data_vars) == ["mu_again"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Pareto k warnings on 4 observations
+        assert np.isfinite(az.loo(idata).elpd_loo)  # one pointwise term: no var_name needed
+
+
 def test_chain_order_with_twelve_chains():
     pyro.set_rng_seed(1)
     mcmc = MCMC(NUTS(eight_schools), num_samples=20, warmup_steps=20, num_chains=12, disable_progbar=True,
