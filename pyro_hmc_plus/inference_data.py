@@ -279,18 +279,7 @@ def to_inference_data(
         groups["constant_data"] = {k: np.asarray(v) for k, v in constant_data.items()}
     as_run = functools.partial(_predictive_draws, num_chains=num_chains, num_draws=num_draws, site_ndims=site_ndims,
                                factors=factors)
-    if posterior_predictive:
-        groups["posterior_predictive"] = as_run(posterior_predictive, "posterior_predictive")
-        _warn_if_observed_data(groups["posterior_predictive"], observed, "posterior_predictive")
-    if prior:
-        drawn = as_run(prior, "prior", num_chains=1, num_draws=None)
-        for group, names in (("prior", [k for k in drawn if k not in observed]),
-                             ("prior_predictive", [k for k in drawn if k in observed])):
-            if names:
-                groups[group] = {k: drawn[k] for k in names}
-        _warn_if_observed_data(groups.get("prior_predictive", {}), observed, "prior")
-    if predictions:
-        groups["predictions"] = as_run(predictions, "predictions")
+    groups.update(_predictive_groups(as_run, observed, posterior_predictive, prior, predictions))
     if predictions_constant_data:
         groups["predictions_constant_data"] = {k: np.asarray(v) for k, v in predictions_constant_data.items()}
     if save_warmup:
@@ -317,6 +306,28 @@ def _from_dict(groups: dict, coords, dims, pred_dims, save_warmup: bool):
     if int(az.__version__.split(".")[0]) >= 1:
         return az.from_dict(groups, coords=coords, dims=dims, pred_dims=pred_dims, save_warmup=save_warmup)
     return az.from_dict(**groups, coords=coords, dims=dims, pred_dims=pred_dims, save_warmup=save_warmup)
+
+
+def _predictive_groups(as_run, observed: Dict[str, np.ndarray], posterior_predictive: Optional[dict],
+                       prior: Optional[dict], predictions: Optional[dict]) -> dict:
+    """The groups of the draws that ``pyro.infer.Predictive`` gives the export, each
+    ``{site: (chains, draws, *shape)}`` (``as_run``: :func:`_predictive_draws` for this run):
+    ``posterior_predictive``, ``prior`` (latent and deterministic sites) and
+    ``prior_predictive`` (observed sites) from ``prior``'s one chain, and ``predictions``."""
+    groups = {}
+    if posterior_predictive:
+        groups["posterior_predictive"] = as_run(posterior_predictive, "posterior_predictive")
+        _warn_if_observed_data(groups["posterior_predictive"], observed, "posterior_predictive")
+    if prior:
+        drawn = as_run(prior, "prior", num_chains=1, num_draws=None)
+        for group, names in (("prior", [k for k in drawn if k not in observed]),
+                             ("prior_predictive", [k for k in drawn if k in observed])):
+            if names:
+                groups[group] = {k: drawn[k] for k in names}
+        _warn_if_observed_data(groups.get("prior_predictive", {}), observed, "prior")
+    if predictions:
+        groups["predictions"] = as_run(predictions, "predictions")
+    return groups
 
 
 def _predictive_draws(values: dict, group: str, *, num_chains: int, num_draws: Optional[int],
