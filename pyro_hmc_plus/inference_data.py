@@ -408,19 +408,21 @@ def _is_deterministic(site) -> bool:
     or the log likelihood."""
     if site["type"] != "sample" or not site["is_observed"]:
         return False
-    fn = site["fn"]
-    while isinstance(fn, (pyro.distributions.MaskedDistribution, pyro.distributions.Independent)):
-        fn = fn.base_dist
-    return bool(site["infer"].get("_deterministic")) or isinstance(fn, pyro.distributions.Delta)
+    return bool(site["infer"].get("_deterministic")) or isinstance(_unwrapped(site["fn"]), pyro.distributions.Delta)
 
 
 def _is_factor(site) -> bool:
     """A ``pyro.factor`` site: an observed ``Unit`` whose value is an empty placeholder and
     whose log density is the factor."""
-    fn = site["fn"]
+    return isinstance(_unwrapped(site["fn"]), pyro.distributions.Unit)
+
+
+def _unwrapped(fn):
+    """A site's distribution without the masks (a plate's, ``obs_mask``) and ``to_event`` s
+    around it."""
     while isinstance(fn, (pyro.distributions.MaskedDistribution, pyro.distributions.Independent)):
         fn = fn.base_dist
-    return isinstance(fn, pyro.distributions.Unit)
+    return fn
 
 
 def _replay(replay_at, samples, num_chains, num_draws):
