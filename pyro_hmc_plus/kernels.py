@@ -274,7 +274,7 @@ class HMC(MCMCKernel):
             raise ValueError("max_unroll must be at least 1")
         GradientEngine.check_name(engine)
         self.model = model
-        self.potential_fn = potential_fn
+        self._user_potential_fn = potential_fn
         self.transforms = transforms
         self._user_transforms = transforms
         self._max_plate_nesting = max_plate_nesting
@@ -314,6 +314,15 @@ class HMC(MCMCKernel):
     @initial_params.setter
     def initial_params(self, params):
         self._initial_params = params
+
+    @property
+    def potential_fn(self):
+        """``U(params)`` over a dict of unconstrained tensors, as Pyro's attribute: the one
+        given, or for a model the one Pyro's ``initialize_model`` built for the last chain set
+        up (``None`` before that, as in Pyro), which users call to score draws."""
+        if self._user_potential_fn is not None or self._flat is None:
+            return self._user_potential_fn
+        return self._flat.potential_fn
 
     @property
     def step_size(self) -> float:
@@ -397,7 +406,7 @@ class HMC(MCMCKernel):
                 num_chains=num_chains,
             )
         else:
-            flat = potential.from_potential_fn(self.potential_fn, first, self._user_transforms)
+            flat = potential.from_potential_fn(self._user_potential_fn, first, self._user_transforms)
         self.transforms = flat.transforms
         key = _args_key(args, kwargs)
         reused = self._engines.get(key)

@@ -277,6 +277,20 @@ def test_pyro_mcmc_protocol_hook_save_params_summary_diagnostics_arviz(capsys):
     assert kernel.step_size == stats["step_size"][-1] != 0.1  # as Pyro: the adapted step size after the run
 
 
+def test_potential_fn_after_a_run_scores_draws_as_pyros():
+    # users score draws with `mcmc.kernel.potential_fn(params)`, which Pyro's kernel sets up
+    x = torch.randn(10) + 2.0
+    kernel, pyro_kernel = HMC(normal_normal, num_steps=5), PyroHMC(normal_normal)
+    assert kernel.potential_fn is None  # as Pyro's before setup: the model is what was given
+    run(kernel, 20, 20, x)
+    pyro_kernel.setup(0, x)
+    for mu in (-1.0, 0.5, 3.0):
+        params = {"mu": torch.tensor(mu)}
+        assert torch.allclose(kernel.potential_fn(params), pyro_kernel.potential_fn(params))
+    user_fn = lambda params: (params["mu"] ** 2).sum() / 2  # noqa: E731
+    assert HMC(potential_fn=user_fn).potential_fn is user_fn
+
+
 def test_two_chains_sequential_and_initial_params_per_chain():
     x = torch.randn(10) + 2.0
     kernel = HMC(normal_normal, step_size=0.2, num_steps=5)
