@@ -183,9 +183,10 @@ def from_model(
     kwargs = {}
     if init_strategy is not None:
         init_strategy = kwargs["init_strategy"] = _inside_supports(init_strategy)
-    if transforms is not None:
-        transforms = _with_default_transforms(model, model_args, model_kwargs or {}, transforms, init_strategy)
+    user_transforms = transforms
     try:
+        if transforms is not None:
+            transforms = _with_default_transforms(model, model_args, model_kwargs or {}, transforms, init_strategy)
         init, potential_fn, transforms, prototype = initialize_model(
             model,
             model_args,
@@ -197,6 +198,17 @@ def from_model(
             **kwargs,
         )
     except NotImplementedError as e:
+        untransformable = _sites_without_a_bijection(model, model_args, model_kwargs or {}, init_strategy,
+                                                     user_transforms)
+        if untransformable:
+            raise NotImplementedError(
+                f"{str(e).rstrip('.')}: the latent sites {untransformable} have supports that torch "
+                "cannot map one-to-one to unconstrained space, which HMC and NUTS sample in. Give "
+                "those sites a transform (`transforms={name: transform}`), or sample a "
+                "parametrisation that has one: for a covariance matrix, a Cholesky factor of the "
+                "correlations (`LKJCholesky`) scaled by standard deviations, as Stan advises over "
+                "`Wishart`."
+            ) from e
         raise NotImplementedError(
             f"{str(e).rstrip('.')}. HMC and NUTS need a model without subsampling "
             "(`subsample_size`), with discrete latent sites only where Pyro can enumerate them "
@@ -279,7 +291,30 @@ def _with_default_transforms(model, model_args, model_kwargs, transforms, init_s
             f"transforms are given for {unknown}, which are not continuous latent sites of the model "
             f"(those are {sorted(latent)})"
         )
-    return {**{name: biject_to(site["fn"].support).inv for name, site in latent.items()}, **transforms}
+    return {
+        **{name: biject_to(site["fn"].support).inv for name, site in latent.items() if name not in transforms},
+        **transforms,
+    }
+
+
+def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, transforms) -> Dict[str, str]:
+    """The continuous latent sites without a given transform whose support ``biject_to``
+    refuses (``Wishart``'s positive-definite matrices), each to its support's name: Pyro's
+    error names the constraint but not the site. Empty where one run of the model (under
+    the init strategy) fails: the caller keeps Pyro's error."""
+    try:
+        trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+    except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
+        return {}
+    untransformable = {}
+    for name, site in trace.iter_stochastic_nodes():
+        if site_is_subsample(site) or site["fn"].has_enumerate_support or name in (transforms or {}):
+            continue
+        try:
+            biject_to(site["fn"].support)
+        except NotImplementedError:
+            untransformable[name] = type(site["fn"].support).__name__.lstrip("_")
+    return untransformable
 
 
 def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:

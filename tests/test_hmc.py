@@ -225,6 +225,22 @@ def test_model_with_transforms_for_some_sites_keeps_the_defaults_for_the_rest():
         run(NUTS(model, transforms={"rtae": softplus}), 10, 10, y)
 
 
+def test_a_transform_given_for_a_site_torch_cannot_transform_is_used():
+    """A 1x1 Wishart(5, 1) is a chi-square with 5 degrees of freedom (mean 5, variance 10);
+    ``biject_to`` has no transform for its positive-definite support, so the user gives one
+    (a log, reshaped to one number), and the kernel must not ask ``biject_to`` for it anyway."""
+    from torch.distributions.transforms import ComposeTransform, ExpTransform, ReshapeTransform
+
+    def model():
+        pyro.sample("S", dist.Wishart(df=torch.tensor(5.0), covariance_matrix=torch.eye(1)))
+
+    to_unconstrained = ComposeTransform([ExpTransform(), ReshapeTransform((1,), (1, 1))]).inv
+    draws = run(NUTS(model, transforms={"S": to_unconstrained}), 2000, 500).get_samples()["S"]
+    assert draws.shape == (2000, 1, 1)
+    assert_mean(draws.reshape(-1).numpy(), 5.0)
+    assert_variance(draws.reshape(-1).numpy(), 10.0)
+
+
 def test_potential_fn_with_initial_params_and_transforms():
     def potential_fn(params):
         return 0.5 * ((params["x"] - 1.0) ** 2).sum()

@@ -191,12 +191,19 @@ def _improper_prior():
     pyro.sample("c", dist.ImproperUniform(dist.constraints.ordered_vector, (), (2,)))
 
 
+def _wishart_covariance(y):
+    cov = pyro.sample("S", dist.Wishart(df=torch.tensor(4.0), covariance_matrix=torch.eye(2)))
+    pyro.sample("y", dist.MultivariateNormal(torch.zeros(2), covariance_matrix=cov), obs=y)
+
+
 @pytest.mark.parametrize("model, args, what", [
     (_subsampled, (torch.zeros(5),), "subsampling"),
     (_improper_prior, (), "init_to_value"),
+    (_wishart_covariance, (torch.ones(2),), r"Cannot transform .*\{'S': 'PositiveDefinite'\}.*LKJCholesky"),
 ])
 def test_models_hmc_cannot_set_up_get_an_error_that_names_the_remedy(model, args, what):
-    """Pyro refuses both (subsampling; a prior it cannot sample for a starting value); the
-    error keeps Pyro's message and says what to change."""
+    """Pyro refuses all three (subsampling; a prior it cannot sample for a starting value; a
+    support without a bijection, whose site Pyro's error does not name); the error keeps
+    Pyro's message and says what to change."""
     with pytest.raises(NotImplementedError, match=what):
         from_model(model, args)
