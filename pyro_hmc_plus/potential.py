@@ -218,10 +218,14 @@ def from_model(
         ) from e
     except (RuntimeError, ValueError) as e:
         if "valid initial" in str(e):  # Pyro's "cannot find valid initial params"
+            culprits = sites_with_a_non_finite_log_density(model, model_args, model_kwargs or {}, init_strategy)
             raise type(e)(
                 f"{str(e).rstrip('.')}. The potential energy was not finite at any initial point "
-                "the init strategy tried: check the model's data and priors, or pass finite "
-                "`initial_params` (or another `init_strategy`)."
+                "the init strategy tried"
+                + (f"; at one of them, these sites' log densities are not finite: {'; '.join(culprits)}"
+                   if culprits else "")
+                + ". Check the model's data and priors, or pass finite `initial_params` (or another "
+                "`init_strategy`)."
             ) from e
         raise
     if not init:
@@ -434,6 +438,47 @@ def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotent
         return moved
     except Exception:  # the model fails there: nothing to compare
         return []
+
+
+def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy=None) -> List[str]:
+    """Why the potential is not finite, site by site, at one point of the init strategy: each
+    site whose log density has a non-finite element, described with the likely cause (NaN
+    in its values, values outside its support, else a parameter that is not finite or not
+    valid there, such as a NaN covariate upstream), as ``"'x' (observed): 1 of 30 values
+    are NaN, first at index (3,)"``. Pyro's "cannot find valid initial params" names none.
+    Empty where the model fails at that point."""
+    try:
+        with pyro.validation_enabled(False):
+            trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+            log_densities = {
+                name: site["fn"].log_prob(site["value"]) for name, site in trace.nodes.items()
+                if site["type"] == "sample" and not site_is_subsample(site)
+            }
+    except Exception:  # noqa: BLE001 - the caller keeps Pyro's error
+        return []
+    described = []
+    for name, log_density in log_densities.items():
+        finite = torch.isfinite(log_density)
+        if finite.all():
+            continue
+        site = trace.nodes[name]
+        kind = "observed" if site["is_observed"] else "latent"
+        value = torch.as_tensor(site["value"])
+        try:
+            inside = site["fn"].support.check(value)
+        except NotImplementedError:  # a dependent support
+            inside = torch.ones_like(finite)
+        nan = value.isnan() if value.is_floating_point() else torch.zeros_like(value, dtype=torch.bool)
+        if nan.any():
+            bad, why = nan, "are NaN"
+        elif not inside.all():
+            bad, why = ~inside, f"are outside the support of {type(site['fn']).__name__} ({site['fn'].support})"
+        else:
+            bad, why = ~finite, "have a non-finite log density: a parameter of the distribution is not finite or not valid there"
+        first = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
+        where = f", first at index {first}" if bad.dim() else ""
+        described.append(f"'{name}' ({kind}): {int(bad.sum())} of {bad.numel()} values {why}{where}")
+    return described
 
 
 def _non_finite_sites(layout: SiteLayout, x: torch.Tensor) -> List[str]:

@@ -432,7 +432,8 @@ def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_c
         run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0)})
     with pytest.raises(ValueError, match=r"values for \['rtae'\], which are not continuous latent sites .*\['mu', 'rate'\]\)"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0), "rtae": torch.tensor(0.0)})
-    with pytest.raises(ValueError, match="not finite at any initial point .* check the model's data"):
+    with pytest.raises(ValueError, match=r"not finite at any initial point .*'y' \(observed\): 1 of 2 values are "
+                                         r"outside the support of Poisson .*, first at index \(1,\)\. Check the model's data"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([1.0, -1.0]))  # a Poisson count below 0
 
 

@@ -166,6 +166,25 @@ def test_potential_non_finite_at_initial_point():
         from_potential_fn(lambda p: -torch.log(p["x"]).sum(), {"x": torch.tensor([-1.0])})
 
 
+def _regression(x, y):
+    slope = pyro.sample("slope", dist.Normal(0.0, 1.0))
+    with pyro.plate("data", len(y)):
+        pyro.sample("y", dist.Normal(slope * x, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("x, y, why", [
+    (torch.ones(4), torch.tensor([0.0, 1.0, float("nan"), 2.0]), r"'y' \(observed\): 1 of 4 values are NaN, first at index \(2,\)"),
+    (torch.tensor([1.0, float("nan"), float("nan"), 2.0]), torch.ones(4),
+     r"'y' \(observed\): 2 of 4 values have a non-finite log density: a parameter .* first at index \(1,\)"),
+])
+def test_data_without_a_finite_potential_get_an_error_naming_the_site_and_the_values(x, y, why):
+    """NaN in the observations and NaN in a covariate: Pyro says only "Model specification
+    seems incorrect - cannot find valid initial params". (``MCMC.run`` turns Pyro's
+    validation off, which would otherwise stop at the first invalid value.)"""
+    with pytest.raises(ValueError, match="cannot find valid initial params.*" + why), pyro.validation_enabled(False):
+        from_model(_regression, (x, y))
+
+
 def test_wrong_shape_initial_point():
     flat = from_potential_fn(lambda p: (p["x"] ** 2).sum(), {"x": torch.zeros(3)})
     with pytest.raises(ValueError, match="expected \\(3,\\)"):
