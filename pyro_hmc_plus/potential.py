@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 import pyro
 import torch
 from pyro.distributions.transforms import biject_to
-from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform
+from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform, init_to_value
 from pyro.infer.mcmc.util import initialize_model
 from pyro.poutine.util import site_is_subsample
 
@@ -101,16 +101,20 @@ class FlatPotential:
 
     Built by :func:`from_model` or :func:`from_potential_fn`. ``initial_z`` is the starting
     point chosen by the init strategy (or given by the user), shape ``(D,)``; ``initial_zs``
-    one per chain, ``(C, D)``, where several chains were asked for.
+    one per chain, ``(C, D)``, where several chains were asked for. ``sites_not_finite_at``,
+    for a model, describes the sites whose log density is not finite at a point (a dict of
+    unconstrained values; see :func:`sites_with_a_non_finite_log_density`), for messages.
     """
 
-    def __init__(self, potential_fn, layout: SiteLayout, transforms, initial_z, source: str, initial_zs=None):
+    def __init__(self, potential_fn, layout: SiteLayout, transforms, initial_z, source: str, initial_zs=None,
+                 sites_not_finite_at: Callable[[dict], List[str]] = lambda values: []):
         self.potential_fn = potential_fn
         self.layout = layout
         self.transforms = transforms
         self.initial_z = initial_z
         self.initial_zs = initial_z.unsqueeze(0) if initial_zs is None else initial_zs
         self.source = source  # "model" or "potential_fn": where U came from, for messages
+        self.sites_not_finite_at = sites_not_finite_at
 
     @property
     def dim(self) -> int:
@@ -235,7 +239,12 @@ def from_model(
     batch = () if num_chains == 1 or initial_params is not None else (num_chains,)
     layout = SiteLayout.of(init, batch_ndim=len(batch))
     zs = layout.pack({k: v.detach() for k, v in init.items()}, batch_shape=batch).reshape(-1, layout.dim)
-    return FlatPotential(potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs)
+    return FlatPotential(
+        potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs,
+        sites_not_finite_at=lambda unconstrained: sites_with_a_non_finite_log_density(
+            model, model_args, model_kwargs or {},
+            init_to_value(values={name: transforms[name].inv(u) for name, u in unconstrained.items()})),
+    )
 
 
 def _inside_supports(init_strategy: Callable) -> Callable:
@@ -496,9 +505,12 @@ def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> Tuple[torch.Ten
     with pyro.validation_enabled(False):
         U, g = flat.value_and_grad(z)
     if not torch.isfinite(U):
+        culprits = flat.sites_not_finite_at(flat.layout.unpack(z))
         raise ValueError(
-            f"the potential energy at the initial point is {U.item()}; give initial values "
-            "inside the support (unconstrained values where the log density is finite)"
+            f"the potential energy at the initial point is {U.item()}"
+            + (f"; these sites' log densities are not finite there: {'; '.join(culprits)}" if culprits else "")
+            + ". Check the data, or give initial values inside the support (unconstrained "
+            "values where the log density is finite)."
         )
     if not torch.isfinite(g).all():
         raise ValueError(

@@ -427,7 +427,8 @@ def test_non_finite_initial_params_are_rejected():
 
 def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_clear_errors():
     """Both failed deep inside Pyro: a bare ``KeyError: 'rate'`` from the potential, and
-    "Model specification seems incorrect" with nothing about what to check."""
+    "Model specification seems incorrect" with nothing about what to check; with given
+    initial values, NaN data blamed the initial values."""
     with pytest.raises(ValueError, match=r"no value for \['rate'\]: .* \(\['mu', 'rate'\]\)"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.ones(3), initial_params={"mu": torch.tensor(0.0)})
     with pytest.raises(ValueError, match=r"values for \['rtae'\], which are not continuous latent sites .*\['mu', 'rate'\]\)"):
@@ -435,6 +436,10 @@ def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_c
     with pytest.raises(ValueError, match=r"not finite at any initial point .*'y' \(observed\): 1 of 2 values are "
                                          r"outside the support of Poisson .*, first at index \(1,\)\. Check the model's data"):
         run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([1.0, -1.0]))  # a Poisson count below 0
+    start = {"mu": torch.tensor(0.0), "rate": torch.tensor(0.0)}  # fine: the data are not
+    with pytest.raises(ValueError, match=r"initial point is nan; .*'y' \(observed\): 1 of 2 values are NaN, "
+                                         r"first at index \(0,\); 'x' \(observed\)"):
+        run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([float("nan"), 1.0]), initial_params=start)
 
 
 def _missing_values(y, observed):
