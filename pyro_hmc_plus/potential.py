@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import pyro
 import torch
@@ -107,7 +107,7 @@ class FlatPotential:
     """
 
     def __init__(self, potential_fn, layout: SiteLayout, transforms, initial_z, source: str, initial_zs=None,
-                 sites_not_finite_at: Callable[[dict], List[str]] = lambda values: []):
+                 sites_not_finite_at: Optional[Callable[[dict], List[str]]] = None):
         self.potential_fn = potential_fn
         self.layout = layout
         self.transforms = transforms
@@ -505,7 +505,7 @@ def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> Tuple[torch.Ten
     with pyro.validation_enabled(False):
         U, g = flat.value_and_grad(z)
     if not torch.isfinite(U):
-        culprits = flat.sites_not_finite_at(flat.layout.unpack(z))
+        culprits = flat.sites_not_finite_at(flat.layout.unpack(z)) if flat.sites_not_finite_at else []
         raise ValueError(
             f"the potential energy at the initial point is {U.item()}"
             + (f"; these sites' log densities are not finite there: {'; '.join(culprits)}" if culprits else "")
