@@ -176,7 +176,7 @@ class GradientEngine:
         same model and arguments, built again) at ``flat``'s initial point. The trace bakes in
         every tensor the model reads as a constant, the arguments as well as data the model
         finds elsewhere (a global, a closure); the kernels reuse an engine while the arguments
-        are the same objects, unchanged, so this catches the rest: a global replaced or written
+        are the same (tensors: the same memory, unchanged), so this catches the rest: a global replaced or written
         between runs. One traced and one eager gradient: cheap beside a run."""
         if self._graph is None:  # the eager path runs the model itself: nothing baked in
             return True

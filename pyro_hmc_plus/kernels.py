@@ -120,13 +120,21 @@ def _host_values(*scalars: torch.Tensor) -> list:
 
 
 def _args_key(args, kwargs):
-    """What the traced programs depend on besides the model: the data (identity and in-place
-    version of every tensor argument) and the default dtype."""
+    """What the traced programs depend on besides the model: the data and the default dtype.
+
+    A tensor argument is keyed by the memory it views (address, shape, strides, dtype,
+    device) and its in-place version, which its views and ``detach()`` share: Pyro's
+    ``MCMC.run`` passes a fresh ``detach()`` of each tensor to every run, and a second run on
+    the same data reuses the engine. Any other argument is keyed by identity. The engine
+    keeps the arguments alive (``_args_ref``), so no other data can take their place."""
     items = list(args) + sorted(kwargs.items(), key=lambda kv: kv[0])
     key = []
     for a in items:
         v = a[1] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) else a
-        key.append((id(v), v._version if torch.is_tensor(v) else None))
+        if torch.is_tensor(v):
+            key.append((v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device, v._version))
+        else:
+            key.append((id(v), None))
     return (tuple(key), torch.get_default_dtype())
 
 
@@ -412,7 +420,7 @@ class HMC(MCMCKernel):
         reused = self._engines.get(key)
         if reused is None or reused.flat.layout != flat.layout or not reused.agrees_with(flat):
             self._engines = {key: GradientEngine(flat, self.engine)}
-            self._engines[key]._args_ref = (args, kwargs)  # keep ids in the key alive
+            self._engines[key]._args_ref = (args, kwargs)  # keep what the key names alive
             self._programs = {}  # programs of another model or data
             _warn_of_flat_coordinates(flat.layout, self._engines[key])
             _warn_of_a_cut_gradient(self._engines[key])

@@ -98,6 +98,20 @@ def test_runs_inside_no_grad_and_inference_mode(mode, runner):
     assert_variance(mu, var)
 
 
+def test_running_again_on_the_same_data_reuses_the_traced_gradient():
+    """Pyro's ``MCMC.run`` hands each run a fresh ``detach()`` of the data; keyed by the
+    tensors' identity, every run traced and checked the model again."""
+    x = torch.randn(20) + 3.0
+    kernel = NUTS(normal_normal)
+    mcmc = MCMC(kernel, num_samples=20, warmup_steps=20, disable_progbar=True)
+    mcmc.run(x)
+    engine = kernel._engine
+    mcmc.run(x)
+    assert kernel._engine is engine
+    mcmc.run(x.clone())  # the same values in other memory: traced again, as any other data
+    assert kernel._engine is not engine
+
+
 @pytest.mark.parametrize("change", ["replaced", "written in place"])
 def test_running_again_after_the_models_global_data_changed(change):
     """A model that reads its data from a global instead of its arguments: the trace bakes
