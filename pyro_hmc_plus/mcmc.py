@@ -51,7 +51,8 @@ class MCMC(pyro.infer.MCMC):
     """:class:`pyro.infer.MCMC` with ``chain_method``; the same constructor and methods.
 
     :param str chain_method: ``"vectorized"`` (default for :class:`~pyro_hmc_plus.HMC` and
-        :class:`~pyro_hmc_plus.NUTS` with several chains; one chain runs ``"sequential"``):
+        :class:`~pyro_hmc_plus.NUTS` with several chains; one chain, or a model whose gradient
+        falls back to eager autograd, runs ``"sequential"``, which then says so):
         all chains in one batch, each at its own pace;
         ``"sequential"``: one chain after another (Pyro's way without processes, minus
         Pyro's per-draw JSON logging: ~90 µs less per draw);
@@ -103,6 +104,7 @@ class MCMC(pyro.infer.MCMC):
         warn_on_problems: bool = True,
     ):
         ours = isinstance(kernel, HMC)
+        self._sequential_if_eager = chain_method is None  # the default, not the user's choice
         if chain_method is None:  # one chain: the kernel's own fused transitions beat one leaf per call
             chain_method = ("vectorized" if num_chains > 1 else "sequential") if ours else "parallel"
         if chain_method not in CHAIN_METHODS:
@@ -240,9 +242,23 @@ class MCMC(pyro.infer.MCMC):
         if initial is not None and self.num_chains == 1:
             initial = {k: v[0] for k, v in initial.items()}
         validation = pyro.validation_enabled(not self.disable_validation)
-        with validation:
-            run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples, self.leaves_per_call)
-            rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
+        rng_state = pyro.util.get_rng_state()
+        try:
+            with validation:
+                run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples,
+                                     self.leaves_per_call, self._sequential_if_eager)
+                rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
+        except _EagerGradient:
+            warn_user(
+                f"pyro_hmc_plus: this model's gradient runs on eager autograd, so its {self.num_chains} chains run "
+                "one after another (chain_method='sequential'), which is faster than vectorized chains for it "
+                "(4 NUTS chains of a model with `.item()`: ~1.5x); pass chain_method='vectorized' to batch them anyway",
+                EngineFallbackWarning,
+            )
+            pyro.util.set_rng_state(rng_state)  # the draws of chain_method='sequential' with this seed
+            self.chain_method = "sequential"
+            self._run_sequential(args, kwargs)  # the same (detached) data: the kernel reuses its engine
+            return
         self.batch_utilisation = run.utilisation
         self.step_size = run.chains.step_size.value
         self.inverse_mass_matrix = run.metric.inverse_mass
@@ -350,11 +366,20 @@ class _SequentialSampler(_UnarySampler):
             self.kernel.cleanup()
 
 
-class _VectorizedRun:
-    """One vectorized run: the chains' batched state, their adaptation, and their draws."""
+class _EagerGradient(Exception):
+    """Raised by a vectorized run's setup when the model's gradient runs on eager autograd
+    and the chain method was the default: the caller runs the chains sequentially instead."""
 
-    def __init__(self, kernel: HMC, num_chains: int, warmup_steps: int, num_samples: int, leaves_per_call: int):
+
+class _VectorizedRun:
+    """One vectorized run: the chains' batched state, their adaptation, and their draws.
+    ``sequential_if_eager``: where the model's gradient runs on eager autograd, stop at setup
+    with :class:`_EagerGradient` instead of batching chains that would be evaluated one by one."""
+
+    def __init__(self, kernel: HMC, num_chains: int, warmup_steps: int, num_samples: int, leaves_per_call: int,
+                 sequential_if_eager: bool = False):
         self.kernel = kernel
+        self.sequential_if_eager = sequential_if_eager
         self.C = num_chains
         self.W = warmup_steps
         self.total = warmup_steps + num_samples
@@ -369,6 +394,8 @@ class _VectorizedRun:
         self.T = max(1, self.T // k._steps_per_round())  # rounds per call
         state = k._build_potential(args, kwargs, initial, self.C)
         if k._engine.name == "eager" and self.C > 1:
+            if self.sequential_if_eager:
+                raise _EagerGradient()
             warn_user(
                 "pyro_hmc_plus: this model's gradient runs on eager autograd, so vectorized chains evaluate it "
                 "chain after chain at every step of a round, steps of chains whose trajectories have ended "

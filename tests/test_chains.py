@@ -550,7 +550,28 @@ def _branching_model():
     pyro.sample("obs", dist.Normal(mu, 1.0 if mu > 0 else 2.0), obs=torch.tensor(0.5))
 
 
-@pytest.mark.parametrize("runner", ["pyro.infer.MCMC", "sequential", "vectorized"])
+def test_a_model_on_eager_autograd_runs_its_chains_one_after_another_unless_asked_to_batch_them():
+    """Vectorized chains evaluate an eager gradient chain after chain at every step of a
+    round, so by default (no ``chain_method``) such a model's chains run sequentially, with
+    the draws that ``chain_method="sequential"`` gives for the seed; asked for, they batch."""
+    draws = {}
+    for chain_method in (None, "sequential", "vectorized"):
+        pyro.set_rng_seed(0)
+        mcmc = MCMC(NUTS(_branching_model), num_samples=20, warmup_steps=20, num_chains=2, chain_method=chain_method,
+                    disable_progbar=True, warn_on_problems=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            mcmc.run()
+        said = " ".join(str(w.message) for w in caught if issubclass(w.category, EngineFallbackWarning))
+        draws[chain_method] = mcmc.get_samples(group_by_chain=True)["mu"]
+        assert draws[chain_method].shape == (2, 20)
+        assert mcmc.chain_method == chain_method or (chain_method is None and mcmc.chain_method == "sequential")
+        assert ("one after another" in said) == (chain_method is None)
+        assert ("chain after chain" in said) == (chain_method == "vectorized")
+    assert torch.equal(draws[None], draws["sequential"])
+
+
+@pytest.mark.parametrize("runner", ["pyro.infer.MCMC", "sequential", "vectorized", "default"])
 def test_warnings_point_at_the_users_line(runner):
     """The fallback and the checks after the run warn at the user's ``run()`` line, whatever
     the depth of the call below it: fixed ``stacklevel`` s pointed into the kernels, into
@@ -560,8 +581,8 @@ def test_warnings_point_at_the_users_line(runner):
     if runner == "pyro.infer.MCMC":
         mcmc = pyro.infer.MCMC(NUTS(_branching_model), num_samples=10, warmup_steps=10, disable_progbar=True)
     else:
-        mcmc = MCMC(NUTS(_branching_model), num_samples=10, warmup_steps=10, num_chains=1 + (runner == "vectorized"),
-                    chain_method=runner, disable_progbar=True)
+        mcmc = MCMC(NUTS(_branching_model), num_samples=10, warmup_steps=10, num_chains=1 + (runner != "sequential"),
+                    chain_method=None if runner == "default" else runner, disable_progbar=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         line = inspect.currentframe().f_lineno + 1  # the next line's number
