@@ -452,10 +452,11 @@ def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotent
 def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy=None) -> List[str]:
     """Why the potential is not finite, site by site, at one point of the init strategy: each
     site whose log density has a non-finite element, described with the likely cause (NaN
-    in its values, values outside its support, else a parameter that is not finite or not
-    valid there, such as a NaN covariate upstream), as ``"'x' (observed): 1 of 30 values
-    are NaN, first at index (3,)"``. Pyro's "cannot find valid initial params" names none.
-    Empty where the model fails at that point."""
+    in its values, values outside its support; else, where the log density is NaN, a
+    parameter that is not finite or not valid there, such as a NaN covariate upstream, and
+    where it is infinite, a point mass or a parameter at the edge of its range), as
+    ``"'x' (observed): 1 of 30 values are NaN, first at index (3,)"``. Pyro's "cannot find
+    valid initial params" names none. Empty where the model fails at that point."""
     try:
         with pyro.validation_enabled(False):
             trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
@@ -482,8 +483,13 @@ def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_st
             bad, why = nan, "are NaN"
         elif not inside.all():
             bad, why = ~inside, f"are outside the support of {type(site['fn']).__name__} ({site['fn'].support})"
+        elif log_density.isnan().any():
+            bad, why = log_density.isnan(), ("have a NaN log density: a parameter of the distribution is not finite "
+                                               "or not valid there (NaN upstream, as in a covariate)")
         else:
-            bad, why = ~finite, "have a non-finite log density: a parameter of the distribution is not finite or not valid there"
+            bad, why = ~finite, ("have a log density of -inf or inf: the distribution has no density there (a point "
+                                 "mass such as `Delta` at a latent site: use `pyro.deterministic`) or a parameter is at "
+                                 "the edge of its range (a scale of 0)")
         first = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
         where = f", first at index {first}" if bad.dim() else ""
         described.append(f"'{name}' ({kind}): {int(bad.sum())} of {bad.numel()} values {why}{where}")

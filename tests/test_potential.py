@@ -175,7 +175,7 @@ def _regression(x, y):
 @pytest.mark.parametrize("x, y, why", [
     (torch.ones(4), torch.tensor([0.0, 1.0, float("nan"), 2.0]), r"'y' \(observed\): 1 of 4 values are NaN, first at index \(2,\)"),
     (torch.tensor([1.0, float("nan"), float("nan"), 2.0]), torch.ones(4),
-     r"'y' \(observed\): 2 of 4 values have a non-finite log density: a parameter .* first at index \(1,\)"),
+     r"'y' \(observed\): 2 of 4 values have a NaN log density: a parameter .* first at index \(1,\)"),
 ])
 def test_data_without_a_finite_potential_get_an_error_naming_the_site_and_the_values(x, y, why):
     """NaN in the observations and NaN in a covariate: Pyro says only "Model specification
@@ -183,6 +183,19 @@ def test_data_without_a_finite_potential_get_an_error_naming_the_site_and_the_va
     validation off, which would otherwise stop at the first invalid value.)"""
     with pytest.raises(ValueError, match="cannot find valid initial params.*" + why), pyro.validation_enabled(False):
         from_model(_regression, (x, y))
+
+
+def test_a_latent_point_mass_gets_an_error_naming_it():
+    """A latent ``Delta`` site has no density off its point, so no starting value works."""
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+        doubled = pyro.sample("doubled", dist.Delta(2 * mu))
+        pyro.sample("y", dist.Normal(doubled, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match=r"'doubled' \(latent\): 1 of 1 values have a log density of -inf .*"
+                                         r"`Delta` at a latent site: use `pyro.deterministic`"), \
+            pyro.validation_enabled(False):
+        from_model(model, (torch.tensor(1.0),))
 
 
 def test_wrong_shape_initial_point():
