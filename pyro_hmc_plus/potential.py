@@ -293,11 +293,7 @@ def _with_default_transforms(model, model_args, model_kwargs, transforms, init_s
     ``KeyError`` on the first site it lacks, where the kernels' ``transforms`` argument
     overrides the defaults. One run of the model (under the init strategy) finds its sites;
     a name that is not one of them is refused."""
-    trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
-    latent = {
-        name: site for name, site in trace.iter_stochastic_nodes()
-        if not site_is_subsample(site) and not site["fn"].has_enumerate_support
-    }
+    latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
     unknown = sorted(set(transforms) - set(latent))
     if unknown:
         raise ValueError(
@@ -316,18 +312,28 @@ def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, t
     error names the constraint but not the site. Empty where one run of the model (under
     the init strategy) fails: the caller keeps Pyro's error."""
     try:
-        trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
     except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
         return {}
     untransformable = {}
-    for name, site in trace.iter_stochastic_nodes():
-        if site_is_subsample(site) or site["fn"].has_enumerate_support or name in (transforms or {}):
+    for name, site in latent.items():
+        if name in (transforms or {}):
             continue
         try:
             biject_to(site["fn"].support)
         except NotImplementedError:
             untransformable[name] = type(site["fn"].support).__name__.lstrip("_")
     return untransformable
+
+
+def _continuous_latent_sites(model, model_args, model_kwargs, init_strategy) -> dict:
+    """The continuous latent sites (name -> site) of one run of ``model`` under the init
+    strategy: no subsample sites, no discrete sites (Pyro enumerates them)."""
+    trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+    return {
+        name: site for name, site in trace.iter_stochastic_nodes()
+        if not site_is_subsample(site) and not site["fn"].has_enumerate_support
+    }
 
 
 def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
