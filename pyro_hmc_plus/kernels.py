@@ -229,6 +229,13 @@ class HMC(MCMCKernel):
         :mod:`pyro_hmc_plus.engine`).
     :param int max_unroll: most leapfrog steps fused into one compiled call; longer
         trajectories run as several calls.
+    :param inverse_mass_matrix: the metric the chains start from, in place of the identity (as
+        Stan's ``inv_metric`` and NumPyro's argument): another run's, to start where its warmup
+        ended or to sample with it fixed (``adapt_mass_matrix=False``). Either
+        :attr:`inverse_mass_matrix`'s format (a dict from tuples of site names to blocks), or a
+        tensor over the flat vector, ``(D,)`` or ``(D, D)`` as ``full_mass`` makes it, or one
+        per chain, ``(C, D)`` or ``(C, D, D)``, as ``pyro_hmc_plus.MCMC.inverse_mass_matrix``
+        holds them after a vectorized run of ``C`` chains.
     """
 
     # Sample statistics recorded for every draw (warmup too), with Stan/ArviZ names.
@@ -256,6 +263,7 @@ class HMC(MCMCKernel):
         max_stepsize: float = 1e10,
         engine: str = "auto",
         max_unroll: int = 16,
+        inverse_mass_matrix=None,
     ):
         if (model is None) == (potential_fn is None):
             raise ValueError("give exactly one of `model` or `potential_fn`")
@@ -299,6 +307,7 @@ class HMC(MCMCKernel):
         self.max_stepsize = max_stepsize
         self.engine = engine
         self.max_unroll = int(max_unroll)
+        self._given_inverse_mass = inverse_mass_matrix
         self._initial_params = None
         self._engines = {}  # args key -> GradientEngine, reused by sequential chains
         self._engine = None
@@ -352,18 +361,74 @@ class HMC(MCMCKernel):
                 "inverse_mass_matrix: this kernel has not run a chain yet (after a vectorized run of "
                 "pyro_hmc_plus.MCMC, each chain's is mcmc.inverse_mass_matrix)"
             )
-        layout, inv = self._flat.layout, metric.inverse_mass
+        inv = metric.inverse_mass
+        return OrderedDict(
+            (names, inv[idx][:, idx] if dense else (inv.diagonal() if inv.dim() == 2 else inv)[idx])
+            for names, idx, dense in self._mass_blocks()
+        )
+
+    def _mass_blocks(self) -> list:
+        """The blocks of :attr:`inverse_mass_matrix`, in its order: ``(site names, their
+        positions in the flat vector, dense?)`` for each dense block of ``full_mass``, then
+        the other sites as one diagonal block."""
+        layout, device = self._flat.layout, self._flat.device
         dense_blocks = self._dense_blocks()
         in_blocks = {name for block in dense_blocks for name in block}
-        out = OrderedDict()
-        for block in dense_blocks:
-            idx = torch.tensor(layout.positions(block), device=inv.device)
-            out[block] = inv[idx][:, idx]
         diagonal_sites = tuple(name for name in layout.names if name not in in_blocks)
-        if diagonal_sites:
-            idx = torch.tensor(layout.positions(diagonal_sites), device=inv.device)
-            out[diagonal_sites] = (inv.diagonal() if inv.dim() == 2 else inv)[idx]
-        return out
+        blocks = [(block, True) for block in dense_blocks] + ([(diagonal_sites, False)] if diagonal_sites else [])
+        return [(names, torch.tensor(layout.positions(names), device=device), dense) for names, dense in blocks]
+
+    def _starting_metric(self, block_mask, batch_shape=()) -> Metric:
+        """The metric the chains start from, ``batch_shape`` of them: the identity, or the
+        ``inverse_mass_matrix`` given to the constructor, checked against this model's flat
+        vector and the ``full_mass`` structure (``block_mask``, ``None`` for a diagonal metric)."""
+        flat, dense = self._flat, block_mask is not None
+        given = self._given_inverse_mass
+        if given is None:
+            return unit_metric(flat.dim, dense, batch_shape, dtype=flat.dtype, device=flat.device)
+        inv = self._flat_inverse_mass(given, dense) if isinstance(given, dict) else torch.as_tensor(given)
+        inv = inv.to(dtype=flat.dtype, device=flat.device)
+        event = (flat.dim, flat.dim) if dense else (flat.dim,)
+        if inv.shape not in (event, tuple(batch_shape) + event):
+            raise ValueError(
+                f"inverse_mass_matrix has shape {tuple(inv.shape)}: over the flat vector of the sites "
+                f"{list(flat.layout.names)} ({flat.dim} entries, full_mass={self.full_mass!r}) it is {event}"
+                + (f", or {tuple(batch_shape) + event} with one per chain" if batch_shape else "")
+            )
+        if dense and ((inv * (1 - block_mask)) != 0).any():
+            raise ValueError("inverse_mass_matrix has entries outside the dense blocks of full_mass, where they are 0")
+        inv = inv.expand(*batch_shape, *event).clone()
+        positive = torch.isfinite(inv).all() and (inv.diagonal(dim1=-2, dim2=-1) if dense else inv).gt(0).all()
+        if dense:
+            positive = positive and torch.allclose(inv, inv.mT) and torch.linalg.cholesky_ex(inv).info.eq(0).all()
+        if not positive:
+            raise ValueError("inverse_mass_matrix must be finite and positive definite (a diagonal: positive)")
+        return make_metric(inv, dense)
+
+    def _flat_inverse_mass(self, given: dict, dense: bool) -> torch.Tensor:
+        """The given inverse mass matrix in :attr:`inverse_mass_matrix`'s format as one tensor
+        over the flat vector, ``(D, D)`` if ``dense`` else ``(D,)``."""
+        blocks = self._mass_blocks()
+        if set(given) != {names for names, _, _ in blocks}:
+            raise ValueError(
+                f"inverse_mass_matrix has the blocks {list(given)}; with full_mass={self.full_mass!r} this model's "
+                f"are {[names for names, _, _ in blocks]} (the keys of kernel.inverse_mass_matrix)"
+            )
+        D = self._flat.dim
+        inv = torch.eye(D, dtype=self._flat.dtype) if dense else torch.ones(D, dtype=self._flat.dtype)
+        for names, idx, block_dense in blocks:
+            value = torch.as_tensor(given[names], dtype=self._flat.dtype).cpu()
+            shape = (len(idx), len(idx)) if block_dense else (len(idx),)
+            if value.shape != shape:
+                raise ValueError(f"inverse_mass_matrix[{names!r}] has shape {tuple(value.shape)}, expected {shape}")
+            idx = idx.cpu()
+            if block_dense:
+                inv[idx.unsqueeze(-1), idx] = value
+            elif dense:
+                inv[idx, idx] = value
+            else:
+                inv[idx] = value
+        return inv
 
     @property
     def engine_name(self) -> str:
@@ -516,7 +581,7 @@ class HMC(MCMCKernel):
         flat = self._flat
         self._block_mask = self._mass_structure()
         dense = self._block_mask is not None
-        self._metric = unit_metric(flat.dim, dense, dtype=flat.dtype, device=flat.device)
+        self._metric = self._starting_metric(self._block_mask)
         self._schedule = (
             adaptation.adaptation_schedule(self._warmup_steps)
             if (self.adapt_step_size or self.adapt_mass_matrix)
@@ -845,6 +910,7 @@ class NUTS(HMC):
         max_stepsize: float = 1e10,
         engine: str = "auto",
         max_unroll: int = 16,
+        inverse_mass_matrix=None,
     ):
         if not (isinstance(max_tree_depth, numbers.Integral) and max_tree_depth >= 1):
             raise ValueError(f"max_tree_depth must be a positive integer, got {max_tree_depth!r}")
@@ -866,6 +932,7 @@ class NUTS(HMC):
             max_stepsize=max_stepsize,
             engine=engine,
             max_unroll=max_unroll,
+            inverse_mass_matrix=inverse_mass_matrix,
         )
         self.use_multinomial_sampling = bool(use_multinomial_sampling)
         self.max_tree_depth = int(max_tree_depth)

@@ -36,7 +36,7 @@ from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, EngineFallbackWarning, is_
 from .inference_data import diagnose, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
 from .nuts import select
-from .metric import Metric, make_metric, unit_metric
+from .metric import Metric, make_metric
 
 CHAIN_METHODS = ("vectorized", "sequential", "parallel")
 # NUTS rounds of chunks only (no chain starting a transition) run ~360 operations fewer than
@@ -408,7 +408,7 @@ class _VectorizedRun:
         k._state = HMCState(*(x[0] for x in state))  # the kernel's single-chain view (validation points)
         self.block_mask = k._mass_structure()
         self.dense = self.block_mask is not None
-        self.metric = unit_metric(self.D, self.dense, batch_shape=(self.C,), dtype=flat.dtype, device=flat.device)
+        self.metric = k._starting_metric(self.block_mask, batch_shape=(self.C,))
         adapting = (k.adapt_step_size or k.adapt_mass_matrix) and self.W > 0
         self.windows = adaptation.adaptation_schedule(self.W) if adapting else []
         slow = self.windows[1:-1] if k.adapt_mass_matrix else []

@@ -323,6 +323,56 @@ def test_badly_scaled_gaussian_with_dense_mass():
     assert ratio.min() > 0.5 and ratio.max() < 2.0
 
 
+def _three_scales():
+    pyro.sample("x", dist.Normal(0.0, torch.tensor([0.01, 1.0, 100.0])).to_event(1))
+    pyro.sample("y", dist.Normal(0.0, 1.0))
+
+
+def test_a_run_goes_on_from_another_runs_adapted_metric_and_last_draw():
+    """Stan's ``inv_metric`` and NumPyro's ``inverse_mass_matrix``: a second run without warmup
+    starts from the first run's adapted metric, step size and last draw. With the identity
+    metric, a step size fit for the scale-1 coordinates diverges on the 0.01 one."""
+    pyro.set_rng_seed(0)
+    first = NUTS(_three_scales)
+    mcmc = run(first, 300, 300)
+    last = {name: mcmc.transforms[name](v[-1]) for name, v in mcmc.get_samples().items()}
+    adapted = first.inverse_mass_matrix
+    second = NUTS(_three_scales, inverse_mass_matrix=adapted, step_size=first.step_size,
+                  adapt_step_size=False, adapt_mass_matrix=False)
+    x = run(second, 1500, 0, initial_params=last).get_samples()["x"].numpy()
+    assert torch.equal(second.inverse_mass_matrix[("x", "y")], adapted[("x", "y")])
+    assert_mean(x / [0.01, 1.0, 100.0], 0.0)
+    assert_variance(x / [0.01, 1.0, 100.0], 1.0)
+    assert max(second.sample_stats[-1]["tree_depth"]) <= 4 and not any(second.sample_stats[-1]["diverging"])
+
+
+def test_a_starting_metric_per_chain_and_in_dense_blocks():
+    pyro.set_rng_seed(0)
+    vectorized = pyro_hmc_plus.MCMC(NUTS(_three_scales), 20, 20, num_chains=3, disable_progbar=True, warn_on_problems=False)
+    vectorized.run()
+    fixed = pyro_hmc_plus.MCMC(NUTS(_three_scales, inverse_mass_matrix=vectorized.inverse_mass_matrix, adapt_mass_matrix=False),
+                               20, 20, num_chains=3, disable_progbar=True, warn_on_problems=False)
+    fixed.run()
+    assert torch.equal(fixed.inverse_mass_matrix, vectorized.inverse_mass_matrix)
+    blocks = {("y",): torch.tensor([[2.0]]), ("x",): torch.tensor([1e-4, 1.0, 1e4])}  # y's block dense, x diagonal
+    kernel = NUTS(_three_scales, full_mass=[("y",)], inverse_mass_matrix=blocks, adapt_mass_matrix=False)
+    run(kernel, 10, 10)
+    assert list(kernel.inverse_mass_matrix) == [("y",), ("x",)]
+    assert all(torch.equal(kernel.inverse_mass_matrix[k], v) for k, v in blocks.items())
+
+
+@pytest.mark.parametrize("given, error", [
+    (torch.ones(3), r"has shape \(3,\): over the flat vector of the sites \['x', 'y'\] \(4 entries, full_mass=False\) it is \(4,\)"),
+    ({("x",): torch.ones(3)}, r"has the blocks \[\('x',\)\]; with full_mass=False this model's are \[\('x', 'y'\)\]"),
+    ({("x", "y"): torch.ones(3)}, r"inverse_mass_matrix\[\('x', 'y'\)\] has shape \(3,\), expected \(4,\)"),
+    (torch.tensor([1.0, 1.0, -1.0, 1.0]), "must be finite and positive definite"),
+    (torch.ones(2, 4), r"it is \(4,\)$"),  # one per chain, for a single chain
+])
+def test_a_starting_metric_that_does_not_fit_the_model_gets_a_clear_error(given, error):
+    with pytest.raises(ValueError, match=error):
+        run(NUTS(_three_scales, inverse_mass_matrix=given), 5, 5)
+
+
 def test_conjugate_normal_normal_and_slice_variant():
     x = torch.randn(20) + 3.0
     mean, var = normal_normal_posterior(x)
