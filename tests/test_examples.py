@@ -41,6 +41,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("changepoint.py", "the first year of the late rate, most probable years:"),
         ("missing_data.py", "of the true missing inputs inside their 90% intervals"),
         ("count_regression.py", "LOO prefers the negative binomial regression"),
+        ("hidden_markov.py", "of the days' regimes recovered"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
