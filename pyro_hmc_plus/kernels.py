@@ -122,19 +122,20 @@ def _host_values(*scalars: torch.Tensor) -> list:
 def _args_key(args, kwargs):
     """What the traced programs depend on besides the model: the data and the default dtype.
 
-    A tensor argument is keyed by the memory it views (address, shape, strides, dtype,
+    A dense tensor argument is keyed by the memory it views (address, shape, strides, dtype,
     device) and its in-place version, which its views and ``detach()`` share: Pyro's
     ``MCMC.run`` passes a fresh ``detach()`` of each tensor to every run, and a second run on
-    the same data reuses the engine. Any other argument is keyed by identity. The engine
-    keeps the arguments alive (``_args_ref``), so no other data can take their place."""
+    the same data reuses the engine. Any other argument (a sparse tensor, which has no one
+    address) is keyed by identity and in-place version. The engine keeps the arguments
+    alive (``_args_ref``), so no other data can take their place."""
     items = list(args) + sorted(kwargs.items(), key=lambda kv: kv[0])
     key = []
     for a in items:
         v = a[1] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) else a
-        if torch.is_tensor(v):
+        if torch.is_tensor(v) and v.layout == torch.strided:
             key.append((v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device, v._version))
         else:
-            key.append((id(v), None))
+            key.append((id(v), v._version if torch.is_tensor(v) else None))
     return (tuple(key), torch.get_default_dtype())
 
 

@@ -112,6 +112,22 @@ def test_running_again_on_the_same_data_reuses_the_traced_gradient():
     assert kernel._engine is not engine
 
 
+def test_a_model_with_sparse_data_runs():
+    """A sparse matrix among the data (a spatial model's adjacency): the engine's cache keys
+    dense tensors by their memory, which a sparse tensor does not have. (Its gradient runs on
+    eager autograd: the tracer does not record sparse tensors.)"""
+    neighbours = torch.eye(3).to_sparse()
+
+    def model(adjacency, y):
+        b = pyro.sample("b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        pyro.sample("y", dist.Normal(torch.sparse.mm(adjacency, b.unsqueeze(-1)).squeeze(-1), 1.0).to_event(1), obs=y)
+
+    with pytest.warns(pyro_hmc_plus.EngineFallbackWarning, match="SparseTensorImpl"):
+        b = run(NUTS(model), 1000, 300, neighbours, torch.ones(3)).get_samples()["b"].numpy()
+    assert_mean(b, 0.5)  # conjugate: N(y / 2, 1 / 2) for each entry
+    assert_variance(b, 0.5)
+
+
 @pytest.mark.parametrize("change", ["replaced", "written in place"])
 def test_running_again_after_the_models_global_data_changed(change):
     """A model that reads its data from a global instead of its arguments: the trace bakes
