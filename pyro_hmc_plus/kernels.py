@@ -399,12 +399,14 @@ class HMC(MCMCKernel):
         if dense and ((inv * (1 - block_mask)) != 0).any():
             raise ValueError("inverse_mass_matrix has entries outside the dense blocks of full_mass, where they are 0")
         inv = inv.expand(*batch_shape, *event).clone()
-        positive = torch.isfinite(inv).all() and (inv.diagonal(dim1=-2, dim2=-1) if dense else inv).gt(0).all()
-        if dense:
-            positive = positive and torch.allclose(inv, inv.mT) and torch.linalg.cholesky_ex(inv).info.eq(0).all()
-        if not positive:
-            raise ValueError("inverse_mass_matrix must be finite and positive definite (a diagonal: positive)")
-        return make_metric(inv, dense)
+        not_positive = ValueError("inverse_mass_matrix must be finite and positive definite (a diagonal: positive)")
+        if not (torch.isfinite(inv).all() and (inv.diagonal(dim1=-2, dim2=-1) if dense else inv).gt(0).all()
+                and (not dense or torch.allclose(inv, inv.mT))):
+            raise not_positive
+        try:
+            return make_metric(inv, dense)  # a dense one's Cholesky factor: the definiteness check
+        except torch.linalg.LinAlgError as e:
+            raise not_positive from e
 
     def _flat_inverse_mass(self, given: dict, dense: bool) -> torch.Tensor:
         """The given inverse mass matrix in :attr:`inverse_mass_matrix`'s format as one tensor
