@@ -42,6 +42,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("missing_data.py", "of the true missing inputs inside their 90% intervals"),
         ("count_regression.py", "LOO prefers the negative binomial regression"),
         ("hidden_markov.py", "of the days' regimes recovered"),
+        ("sparse_regression.py", "regularized horseshoe: 0 divergences"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
