@@ -27,8 +27,7 @@ steps per draw, the coefficients whose 90% intervals exclude 0 and the true valu
 their intervals. Plots (``--out``, default ``figures/``): both posteriors of the
 coefficients beside the truth (``az.plot_forest``), and the plain horseshoe's ``(z_j, log
 lambda_j)`` of the three relevant inputs with its divergent draws in red. About 90 s on 2
-cores: the trees are deep (~7 doublings, ~125 leapfrog steps a draw), as they are in Stan
-for these priors.
+cores: the trees are deep (~7 doublings, ~125 leapfrog steps a draw).
 
     python examples/sparse_regression.py [--num-samples N] [--out DIR] [--no-plots]
 """
