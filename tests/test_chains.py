@@ -409,13 +409,15 @@ def test_numerical_failure_in_one_chain_is_a_divergence(engine, kernel_class):
     """Batched (vmapped) traced programs return NaN where the Cholesky fails; the eager batch
     raises, and the call is redone chain by chain with NaN for the failing chain. Either way the
     other chains carry on and the failing leaf is a divergence (HMC: its step size adapted, so
-    its chains run in rounds, whose steps after a trajectory's end may fail too)."""
+    its chains run in rounds, whose steps after a trajectory's end may fail too). Vectorized
+    explicitly: by default an eager gradient's chains run one after another."""
     pyro.set_rng_seed(0)
     if kernel_class is NUTS:
         kernel, warmup = NUTS(potential_fn=failing_potential, step_size=0.5, adapt_step_size=False, engine=engine), 0
     else:
         kernel, warmup = HMC(potential_fn=failing_potential, step_size=0.5, num_steps=6, engine=engine), 30
-    mcmc = run(kernel, num_samples=100, warmup_steps=warmup, initial_params={"x": torch.zeros(4, 1)})
+    mcmc = run(kernel, num_samples=100, warmup_steps=warmup, initial_params={"x": torch.zeros(4, 1)},
+               chain_method="vectorized")
     x = mcmc.get_samples()["x"]
     assert (x.abs() < 2).all()
     assert sum(len(v) for v in mcmc.diagnostics()["divergences"].values()) > 0
