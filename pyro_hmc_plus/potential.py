@@ -329,11 +329,17 @@ def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, t
 def _continuous_latent_sites(model, model_args, model_kwargs, init_strategy) -> dict:
     """The continuous latent sites (name -> site) of one run of ``model`` under the init
     strategy: no subsample sites, no discrete sites (Pyro enumerates them)."""
-    trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+    trace = _trace_at_init(model, model_args, model_kwargs, init_strategy)
     return {
         name: site for name, site in trace.iter_stochastic_nodes()
         if not site_is_subsample(site) and not site["fn"].has_enumerate_support
     }
+
+
+def _trace_at_init(model, model_args, model_kwargs, init_strategy):
+    """One run of ``model`` with its latent sites at the init strategy's values (for
+    ``None``, ``init_to_uniform``: the default of Pyro's HMC and NUTS)."""
+    return model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
 
 
 def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:
@@ -465,7 +471,7 @@ def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_st
     valid initial params" names none. Empty where the model fails at that point."""
     try:
         with pyro.validation_enabled(False):
-            trace = model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+            trace = _trace_at_init(model, model_args, model_kwargs, init_strategy)
             log_densities = {
                 name: site["fn"].log_prob(site["value"]) for name, site in trace.nodes.items()
                 if site["type"] == "sample" and not site_is_subsample(site)
