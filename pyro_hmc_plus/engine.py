@@ -34,7 +34,7 @@ caller's validation inputs (the current point and fresh random points). (Checkin
 program against Pyro's potential instead would compare energy *differences* such as
 ``H0 - H``, whose float32 rounding grows with ``|U|``, not with the difference.) If tracing
 is refused, fails, or a check fails, the engine warns once, saying why, and uses the eager
-path. Pyro's gradient itself is checked against central differences of ``U`` at one of those
+path. Pyro's gradient itself is checked against central differences of ``U`` at two of those
 points (:attr:`GradientEngine.gradient_mismatch`): a model can cut its own gradient, which
 no engine can repair.
 """
@@ -204,11 +204,23 @@ class GradientEngine:
     def gradient_mismatch(self):
         """:func:`pyro_hmc_plus.potential.gradient_mismatch` of Pyro's eager gradient at the
         last check point where the model evaluates (a random one, unless the model fails at
-        both): ``(slope, gradient_slope)`` where the model cuts its own gradient, else ``None``
-        (also where the model fails at every check point)."""
-        for (z,), (_, g) in self._at_check_points()[-1:]:
-            return gradient_mismatch(self.flat, z, g)
-        return None
+        both), confirmed at one more: ``(slope, gradient_slope)`` at the last point where the
+        model cuts its own gradient, else ``None`` (also where the model fails at every check
+        point). A cut shows at any point; at one point alone, float32 can flatten ``U``'s
+        values where its gradient is right: a term that saturates there (an
+        ``OrderedLogistic`` whose top class has a probability below float32's resolution
+        at every observation) is constant in ``U`` within the differences' steps. The other
+        points are looked at only where the last one disagrees (four evaluations of ``U``
+        each)."""
+        points = self._at_check_points()[::-1]
+        if not points:
+            return None
+        (z,), (_, g) = points[0]
+        found = gradient_mismatch(self.flat, z, g)
+        if found is None or len(points) == 1:
+            return found
+        confirmed = any(gradient_mismatch(self.flat, z, g) is not None for (z,), (_, g) in points[1:])
+        return found if confirmed else None
 
     @property
     def check_points(self):

@@ -18,6 +18,7 @@ from pyro.infer import HMC as PyroHMC
 
 import pyro_hmc_plus
 from pyro_hmc_plus import HMC, NUTS
+from pyro_hmc_plus.potential import gradient_mismatch
 
 from helpers import assert_mean, assert_variance
 from models import (
@@ -515,6 +516,34 @@ def test_a_model_that_cuts_its_gradient_is_named_before_the_run():
     with warnings.catch_warnings():
         warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
         NUTS(two_scales).setup(0, y)
+
+
+def _ordinal_regression(x, y):
+    beta = pyro.sample("beta", dist.Normal(0.0, 5.0))
+    cutpoints = pyro.sample("cutpoints", dist.TransformedDistribution(
+        dist.Normal(0.0, 5.0).expand([3]).to_event(1), dist.transforms.OrderedTransform()))
+    with pyro.plate("data", len(x)):
+        pyro.sample("y", dist.OrderedLogistic(beta * x, cutpoints), obs=y)
+
+
+def test_float32_rounding_at_one_check_point_is_not_called_a_cut_gradient():
+    """An ordinal regression whose last check point (seed 1) puts the top class's probability
+    below float32's resolution at every observation: there ``U``'s values are flat in that
+    term within the differences' steps, which disagree with the gradient (right: float64 gives
+    it), and the one-point check is fooled. The other check points agree, and the kernel says
+    nothing."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(200, generator=gen)
+    latent = 1.2 * x + torch.logit(torch.rand(200, generator=gen))  # standard logistic noise
+    y = torch.bucketize(latent, torch.tensor([-1.0, 0.5, 1.5]))
+    pyro.set_rng_seed(1)
+    kernel = NUTS(_ordinal_regression)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
+        kernel.setup(0, x, y)
+    engine = kernel._engine
+    assert gradient_mismatch(engine.flat, engine.check_points[-1], engine.check_gradients[-1]) is not None
+    assert engine.gradient_mismatch is None
 
 
 def _bounded_by_a_latent():
