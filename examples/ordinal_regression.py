@@ -19,9 +19,10 @@ Normal(0, 5).expand([4]).to_event(1), OrderedTransform())``, is wide in a way no
 an increment ``exp(x)`` with ``x ~ Normal(0, 5)`` spans 9 orders of magnitude in 95% of the
 prior's draws, so in float32 neighbouring cut points drawn from the prior can round to the
 same value, and Pyro's set-up fails with "Expected parameter cutpoints ... to satisfy the
-constraint OrderedVector()" (for 1 seed in 100 with these data). Here the prior is put on what the cut points mean, the
-probabilities of the five answers of a person whose linear predictor is 0: a flat
-Dirichlet on those probabilities, mapped to cut points ``c_k = logit(p_1 + ... + p_k)``
+constraint OrderedVector()" (for 1 seed of 100 in a trial). Here the prior is put on what
+the cut points mean, the probabilities of the five answers of a person whose linear
+predictor is 0: a flat Dirichlet on those probabilities, mapped to cut points
+``c_k = logit(p_1 + ... + p_k)``
 (Betancourt's "induced Dirichlet" prior, from his case study "Ordinal Regression", 2019).
 Its density is the Dirichlet's at ``p`` times the Jacobian of the map,
 ``prod_k sigmoid(c_k) (1 - sigmoid(c_k))``: :class:`InducedDirichlet`, a Pyro distribution
