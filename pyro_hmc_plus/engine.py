@@ -58,7 +58,6 @@ class EngineFallbackWarning(UserWarning):
     """The requested engine could not be used for this model; a slower, safe one is used."""
 
 
-_GRADIENT_CHECKS = 2  # random points (besides the initial one) where the traced gradient is checked
 # A gradient of more operations than this is not inlined into the sampler's programs (a
 # NUTS doubling or an HMC transition of up to 16 leapfrog steps): recording and checking the
 # programs then costs more than it saves. Measured with NUTS on an AR(1) series written as a
@@ -183,20 +182,12 @@ class GradientEngine:
         with pyro.validation_enabled(False):
             return self._check(self._graph, self._reference_cases(flat.value_and_grad, [(flat.initial_z,)]), "") is None
 
-    def _check_points(self):
-        """Where the traced gradient is checked against Pyro's: the initial point and two
-        random points around it, from a private generator (the user's random stream is
-        untouched)."""
-        z = self.flat.initial_z
-        gen = torch.Generator(device=z.device).manual_seed(0)
-        return [z] + [z + torch.empty_like(z).uniform_(-2, 2, generator=gen) for _ in range(_GRADIENT_CHECKS)]
-
     def _at_check_points(self):
         """``[((z,), (U, dU/dz))]``: Pyro's eager potential and gradient at each of the check
         points where the model evaluates, computed once (one eager gradient of a model with
         a 500-step loop takes ~0.3 s)."""
         if self._check_point_values is None:
-            points = [(z,) for z in self._check_points()]
+            points = [(z,) for z in self.flat.probe_points()]
             self._check_point_values = list(self._reference_cases(self.eager_value_and_grad, points))
         return self._check_point_values
 
@@ -346,12 +337,12 @@ class GradientEngine:
 
     def _value_and_grad_program(self, z: torch.Tensor):
         """``value_and_grad(z)`` run as a traced program, one per shape of ``z``, recorded at
-        (and checked at) the gradient's check points (:meth:`_check_points`), where the
+        (and checked at) the gradient's check points (:meth:`FlatPotential.probe_points`), where the
         model is known to evaluate."""
         shape = tuple(z.shape)
         program = self._gradient_programs.get(shape)
         if program is None:
-            points = [(point.expand(shape).clone(),) for point in self._check_points()]
+            points = [(point.expand(shape).clone(),) for point in self.flat.probe_points()]
             program = self._traced_program(lambda value_and_grad, x: value_and_grad(x), points[0], points)
             self._gradient_programs[shape] = program
         return program(z)

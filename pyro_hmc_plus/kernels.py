@@ -175,16 +175,34 @@ def _warn_of_a_cut_gradient(engine: GradientEngine) -> None:
         )
 
 
-def _warn_of_moving_supports(model, args, kwargs, engine: GradientEngine, user_transforms) -> None:
-    """A :class:`SamplingWarning` before the run, naming the latent sites whose support moves
-    with other latent sites (:func:`potential.sites_with_moving_supports`, at the engine's last
-    check point, a random one where the model evaluates there): Pyro's transforms fix it at
-    the initial values, and the draws do not follow the model's posterior."""
-    points = engine.check_points
-    if len(points) < 2:  # the model evaluates only at its initial values: nothing to compare
+def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, user_transforms) -> None:
+    """Runs the model at the random probe points (:meth:`potential.FlatPotential.probe_points`,
+    :func:`potential.trace_at`) and compares its sites there with the initial run's. A
+    :class:`ValueError` where it samples other latent sites than there
+    (:func:`potential.sites_that_come_and_go`): no HMC kernel, Pyro's included, samples such a
+    model. A :class:`SamplingWarning` before the run, naming the latent sites whose support
+    moves with other latent sites (:func:`potential.sites_with_moving_supports`, at the last
+    point where the model evaluates): Pyro's transforms fix it at the initial values, and the
+    draws do not follow the model's posterior."""
+    runs = [(z, potential.trace_at(model, args, kwargs, flat, z)) for z in flat.probe_points()[1:]]
+    runs = [(z, trace) for z, trace in runs if trace is not None]
+    for z, trace in runs:
+        absent, new = potential.sites_that_come_and_go(flat.layout, trace)
+        if absent or new:
+            change = " and ".join(f"{verb} {listing(names)}" for verb, names in
+                                  (("does not sample", absent), ("also samples", new)) if names)
+            raise ValueError(
+                f"the model's latent sites change with their values: at its initial values it samples "
+                f"{listing(list(flat.layout.names))}; at other values it {change} (a Python `if` or loop on a "
+                "latent value decides which sites exist). HMC and NUTS, Pyro's too, move one fixed set of sites, "
+                "so they cannot sample this model: sample every site at every point and let the value decide "
+                "how it is used (`torch.where`), or make the choice a discrete site that Pyro sums out "
+                "(`infer={'enumerate': 'parallel'}`)"
+            )
+    if not runs:  # the model evaluates only at its initial values: nothing to compare
         return
-    names = potential.sites_with_moving_supports(model, args, kwargs, engine.flat, points[-1],
-                                                 skip=user_transforms or ())
+    z, trace = runs[-1]
+    names = potential.sites_with_moving_supports(trace, flat, z, skip=user_transforms or ())
     if names:
         warn_user(
             f"the supports of the latent sites {names} move with other latent sites (as `b ~ Uniform(0, a)` "
@@ -487,13 +505,14 @@ class HMC(MCMCKernel):
         key = _args_key(args, kwargs)
         reused = self._engines.get(key)
         if reused is None or reused.flat.layout != flat.layout or not reused.agrees_with(flat):
-            self._engines = {key: GradientEngine(flat, self.engine)}
-            self._engines[key]._args_ref = (args, kwargs)  # keep what the key names alive
-            self._programs = {}  # programs of another model or data
-            _warn_of_flat_coordinates(flat.layout, self._engines[key])
-            _warn_of_a_cut_gradient(self._engines[key])
             if self.model is not None:
-                _warn_of_moving_supports(self.model, args, kwargs, self._engines[key], self._user_transforms)
+                _check_the_models_sites(self.model, args, kwargs, flat, self._user_transforms)
+            engine = GradientEngine(flat, self.engine)
+            _warn_of_flat_coordinates(flat.layout, engine)
+            _warn_of_a_cut_gradient(engine)
+            engine._args_ref = (args, kwargs)  # keep what the key names alive
+            self._engines = {key: engine}
+            self._programs = {}  # programs of another model or data
         self._engine = self._engines[key]
         self._flat = flat
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)

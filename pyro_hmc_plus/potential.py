@@ -25,6 +25,9 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.poutine.util import site_is_subsample
 
 
+PROBES = 2  # random points (besides the initial one) where the gradient and the model are checked
+
+
 def element_name(name: str, index: Sequence[int]) -> str:
     """How messages name one scalar of a site: ``name[i,j]`` for the element at ``index``,
     ``name`` where there is no index."""
@@ -119,6 +122,15 @@ class FlatPotential:
     @property
     def dim(self) -> int:
         return self.layout.dim
+
+    def probe_points(self) -> List[torch.Tensor]:
+        """The initial point and ``PROBES`` random points around it, ``(D,)`` each, from a
+        private generator (the user's random stream is untouched), the same every time:
+        where the engine checks the traced gradient against Pyro's, and the kernels check
+        the model (its gradient, its flat coordinates, its sites)."""
+        z = self.initial_z
+        gen = torch.Generator(device=z.device).manual_seed(0)
+        return [z] + [z + torch.empty_like(z).uniform_(-2, 2, generator=gen) for _ in range(PROBES)]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -328,8 +340,13 @@ def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, t
 
 def _continuous_latent_sites(model, model_args, model_kwargs, init_strategy) -> dict:
     """The continuous latent sites (name -> site) of one run of ``model`` under the init
-    strategy: no subsample sites, no discrete sites (Pyro enumerates them)."""
-    trace = _trace_at_init(model, model_args, model_kwargs, init_strategy)
+    strategy."""
+    return _continuous_latent_sites_of(_trace_at_init(model, model_args, model_kwargs, init_strategy))
+
+
+def _continuous_latent_sites_of(trace) -> dict:
+    """The continuous latent sites (name -> site) of a trace: its unobserved sample sites
+    but subsample sites and discrete sites (Pyro enumerates them)."""
     return {
         name: site for name, site in trace.iter_stochastic_nodes()
         if not site_is_subsample(site) and not site["fn"].has_enumerate_support
@@ -433,32 +450,57 @@ def gradient_mismatch(flat: FlatPotential, z: torch.Tensor, g: torch.Tensor):
     return None
 
 
-def sites_with_moving_supports(model, model_args, model_kwargs, flat: FlatPotential, z: torch.Tensor,
-                               skip=()) -> List[str]:
-    """The latent sites of ``model`` whose support moves with the other latent sites
-    (``b ~ Uniform(0, a)``, ``Pareto(scale=a, ...)``), except those in ``skip``, found at
-    the unconstrained point ``z`` ``(D,)`` (one away from the initial values).
+def trace_at(model, model_args, model_kwargs, flat: FlatPotential, z: torch.Tensor):
+    """One run of ``model`` with every latent site of ``flat`` at the unconstrained point
+    ``z (D,)`` (conditioned on those values), the user's random stream untouched: a site left
+    to sample (discrete, or one that the initial run did not have) draws from the prior.
+    ``None`` where the model fails at that point."""
+    try:
+        values = {name: flat.transforms[name].inv(u) for name, u in flat.layout.unpack(z).items()}
+        with torch.random.fork_rng(devices=[]):
+            return model_trace(pyro.poutine.condition(model, data=values), model_args, model_kwargs)
+    except Exception:  # noqa: BLE001 - the model fails there: nothing to compare
+        return None
+
+
+def sites_that_come_and_go(layout: SiteLayout, trace) -> Tuple[List[str], List[str]]:
+    """``(absent, new)`` in a run of the model at another point than the initial one
+    (:func:`trace_at`): the latent sites of ``layout`` that it does not sample, and the
+    continuous latent sites that it samples and ``layout`` lacks. Both are empty unless a
+    Python ``if`` or loop on a latent value decides which sites the model has (``if a > 0:
+    pyro.sample("b", ...)``): HMC and NUTS move a fixed set of sites, so at the points where
+    the sites differ from the initial run's, Pyro's potential (and these kernels') scores
+    another model, a site it lacks is flat and drifts without bound, and a new one is drawn
+    from its prior at every evaluation."""
+    absent = [name for name in layout.names if name not in trace.nodes]
+    new = [name for name in _continuous_latent_sites_of(trace) if name not in layout.names]
+    return absent, new
+
+
+def sites_with_moving_supports(trace, flat: FlatPotential, z: torch.Tensor, skip=()) -> List[str]:
+    """The latent sites whose support moves with the other latent sites (``b ~ Uniform(0,
+    a)``, ``Pareto(scale=a, ...)``), except those in ``skip``, found in ``trace``, a run of
+    the model at the unconstrained point ``z`` ``(D,)`` (one away from the initial values;
+    :func:`trace_at`).
 
     Pyro's ``initialize_model`` maps each latent site to unconstrained space through one
     transform, ``biject_to`` of the site's support in one run of the model. For such a site
     that fixes the support at that run's values, so Pyro's HMC and NUTS, and these kernels,
     which use the same potential, sample another distribution than the model's (the site
-    truncated to that support). Found by running the model once more, with every latent
-    site at ``z`` (the user's random stream untouched), and comparing each site's transform
-    there with the fixed one. Nothing is found where the model fails at that point."""
-    unconstrained = {name: u for name, u in flat.layout.unpack(z).items() if name not in skip}
+    truncated to that support). Found by comparing each site's transform in ``trace`` with
+    the fixed one. Nothing is found where a support has no ``biject_to`` there."""
+    moved = []
     try:
-        values = {name: flat.transforms[name].inv(u) for name, u in unconstrained.items()}
-        with torch.random.fork_rng(devices=[]):  # sites left to sample (discrete) draw from the prior
-            trace = model_trace(pyro.poutine.condition(model, data=values), model_args, model_kwargs)
-        moved = []
-        for name, u in unconstrained.items():
-            there = biject_to(trace.nodes[name]["fn"].support)(u)
-            if not torch.allclose(there, values[name], rtol=1e-6, atol=0.0, equal_nan=True):
+        for name, u in flat.layout.unpack(z).items():
+            if name in skip or name not in trace.nodes:
+                continue
+            site = trace.nodes[name]
+            if not torch.allclose(biject_to(site["fn"].support)(u), site["value"], rtol=1e-6, atol=0.0,
+                                  equal_nan=True):
                 moved.append(name)
-        return moved
-    except Exception:  # the model fails there: nothing to compare
+    except Exception:  # noqa: BLE001 - a support without a bijection: nothing to compare
         return []
+    return moved
 
 
 def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy=None) -> List[str]:

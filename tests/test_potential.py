@@ -2,6 +2,7 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro.infer.autoguide import init_to_value
 from pyro.infer.mcmc.util import initialize_model
 from pyro.ops.integrator import potential_grad
 
@@ -10,7 +11,9 @@ from pyro_hmc_plus.potential import (
     check_initial_point,
     flat_coordinates,
     gradient_mismatch,
+    sites_that_come_and_go,
     sites_with_moving_supports,
+    trace_at,
 )
 
 from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, two_scales
@@ -88,8 +91,6 @@ def test_initial_values_outside_their_supports_name_the_site(values, site, shown
     """``init_to_value`` with a value outside its site's support, or not finite, fails as it is
     given, naming the site and its support; a negative scale used to fail one line later as
     torch's "normal expects all elements of std >= 0.0", without a name (Pyro's kernels too)."""
-    from pyro.infer.autoguide import init_to_value
-
     with pytest.raises(ValueError, match=rf"latent site '{site}' initial values outside its support .*: {shown}"):
         from_model(_scale_then_location, init_strategy=init_to_value(values=values))
     flat = from_model(_scale_then_location, init_strategy=init_to_value(values={"scale": torch.tensor(2.0)}))
@@ -148,12 +149,41 @@ def test_sites_whose_support_moves_with_other_latent_sites_are_found():
     flat = from_model(_bounded_by_latents, (y,))
     z = flat.initial_z + torch.tensor([0.7, -1.2, 0.9, 0.4])  # (a, b, c, d) moved
     state = torch.get_rng_state()
-    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat, z) == ["b", "c"]
-    assert sites_with_moving_supports(_bounded_by_latents, (y,), {}, flat, z, skip={"c"}) == ["b"]
+    trace = trace_at(_bounded_by_latents, (y,), {}, flat, z)
     assert torch.equal(state, torch.get_rng_state())
+    assert sites_with_moving_supports(trace, flat, z) == ["b", "c"]
+    assert sites_with_moving_supports(trace, flat, z, skip={"c"}) == ["b"]
     eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
-    assert sites_with_moving_supports(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight,
-                                      eight.initial_z + 1.0) == []
+    z = eight.initial_z + 1.0
+    assert sites_with_moving_supports(trace_at(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight, z),
+                                      eight, z) == []
+
+
+def _site_only_where_positive(y):
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    if a > 0:  # which sites the model has depends on a latent value
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+
+def test_sites_that_come_and_go_with_latent_values_are_found():
+    """A run where ``a`` is negative lacks ``b``; one from a layout without ``b`` samples it
+    anew where ``a`` is positive. Eight schools has the same sites everywhere."""
+    y = torch.tensor(0.5)
+    with_b = from_model(_site_only_where_positive, (y,), init_strategy=init_to_value(values={"a": torch.tensor(1.0)}))
+    without_b = from_model(_site_only_where_positive, (y,),
+                           init_strategy=init_to_value(values={"a": torch.tensor(-1.0)}))
+    assert with_b.layout.names == ("a", "b") and without_b.layout.names == ("a",)
+    negative, positive = torch.tensor([-1.0, 0.0]), torch.tensor([1.0])
+    assert sites_that_come_and_go(with_b.layout, trace_at(_site_only_where_positive, (y,), {}, with_b,
+                                                          negative)) == (["b"], [])
+    assert sites_that_come_and_go(without_b.layout, trace_at(_site_only_where_positive, (y,), {}, without_b,
+                                                             positive)) == ([], ["b"])
+    assert sites_that_come_and_go(with_b.layout, trace_at(_site_only_where_positive, (y,), {}, with_b,
+                                                          torch.tensor([2.0, 0.0]))) == ([], [])
+    eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
+    trace = trace_at(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight, eight.initial_z - 1.5)
+    assert sites_that_come_and_go(eight.layout, trace) == ([], [])
 
 
 def test_potential_must_be_scalar():
