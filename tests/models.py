@@ -88,6 +88,14 @@ def failing_potential(params):
     return 0.5 * (x**2).sum() - torch.linalg.cholesky(m).diagonal().log().sum()
 
 
+def site_only_where_positive(y):
+    """A model whose sites depend on a latent value: ``b`` exists only where ``a > 0``."""
+    a = pyro.sample("a", dist.Normal(0.0, 1.0))
+    if a > 0:
+        pyro.sample("b", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(a, 1.0), obs=y)
+
+
 def two_scales(y, cut=None):
     """Two scales of 2-D observations; ``cut`` builds them the ways that cut the gradient."""
     s1 = pyro.sample("s1", dist.HalfNormal(5.0))

@@ -29,6 +29,7 @@ from models import (
     gauss2d,
     normal_normal,
     normal_normal_posterior,
+    site_only_where_positive,
     two_scales,
 )
 
@@ -518,12 +519,6 @@ def test_a_model_that_cuts_its_gradient_is_named_before_the_run():
         NUTS(two_scales).setup(0, y)
 
 
-def _site_only_where_positive():
-    a = pyro.sample("a", dist.Normal(0.0, 1.0))
-    if a > 0:  # which sites the model has depends on a latent value
-        pyro.sample("b", dist.Normal(0.0, 1.0))
-
-
 @pytest.mark.parametrize("start, change", [(1.0, "does not sample b"), (-1.0, "also samples b")])
 def test_a_model_whose_sites_change_with_their_values_gets_a_clear_error(start, change):
     """Started where ``b`` exists, the model lacks it where ``a < 0`` (Pyro's NUTS fails there
@@ -531,13 +526,13 @@ def test_a_model_whose_sites_change_with_their_values_gets_a_clear_error(start, 
     not, ``b`` comes in where ``a > 0`` (Pyro's NUTS scores a draw of its prior as part of
     the potential). No HMC kernel samples either: the error says so at setup, before any
     engine falls back, and says it again at a second setup."""
-    kernel = NUTS(_site_only_where_positive,
+    kernel = NUTS(site_only_where_positive,
                   init_strategy=pyro.infer.autoguide.init_to_value(values={"a": torch.tensor(start)}))
     for _ in range(2):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             with pytest.raises(ValueError, match=f"latent sites change with their values.*it {change}"):
-                kernel.setup(0)
+                kernel.setup(0, torch.tensor(0.5))
 
 
 def _ordinal_regression(x, y):

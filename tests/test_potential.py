@@ -16,7 +16,14 @@ from pyro_hmc_plus.potential import (
     trace_at,
 )
 
-from models import EIGHT_SCHOOLS_SIGMA, EIGHT_SCHOOLS_Y, dirichlet_categorical, eight_schools, two_scales
+from models import (
+    EIGHT_SCHOOLS_SIGMA,
+    EIGHT_SCHOOLS_Y,
+    dirichlet_categorical,
+    eight_schools,
+    site_only_where_positive,
+    two_scales,
+)
 
 
 def test_layout_sorted_by_name_and_roundtrips():
@@ -159,27 +166,20 @@ def test_sites_whose_support_moves_with_other_latent_sites_are_found():
                                       eight, z) == []
 
 
-def _site_only_where_positive(y):
-    a = pyro.sample("a", dist.Normal(0.0, 1.0))
-    if a > 0:  # which sites the model has depends on a latent value
-        pyro.sample("b", dist.Normal(0.0, 1.0))
-    pyro.sample("y", dist.Normal(a, 1.0), obs=y)
-
-
 def test_sites_that_come_and_go_with_latent_values_are_found():
     """A run where ``a`` is negative lacks ``b``; one from a layout without ``b`` samples it
     anew where ``a`` is positive. Eight schools has the same sites everywhere."""
     y = torch.tensor(0.5)
-    with_b = from_model(_site_only_where_positive, (y,), init_strategy=init_to_value(values={"a": torch.tensor(1.0)}))
-    without_b = from_model(_site_only_where_positive, (y,),
+    with_b = from_model(site_only_where_positive, (y,), init_strategy=init_to_value(values={"a": torch.tensor(1.0)}))
+    without_b = from_model(site_only_where_positive, (y,),
                            init_strategy=init_to_value(values={"a": torch.tensor(-1.0)}))
     assert with_b.layout.names == ("a", "b") and without_b.layout.names == ("a",)
     negative, positive = torch.tensor([-1.0, 0.0]), torch.tensor([1.0])
-    assert sites_that_come_and_go(with_b.layout, trace_at(_site_only_where_positive, (y,), {}, with_b,
+    assert sites_that_come_and_go(with_b.layout, trace_at(site_only_where_positive, (y,), {}, with_b,
                                                           negative)) == (["b"], [])
-    assert sites_that_come_and_go(without_b.layout, trace_at(_site_only_where_positive, (y,), {}, without_b,
+    assert sites_that_come_and_go(without_b.layout, trace_at(site_only_where_positive, (y,), {}, without_b,
                                                              positive)) == ([], ["b"])
-    assert sites_that_come_and_go(with_b.layout, trace_at(_site_only_where_positive, (y,), {}, with_b,
+    assert sites_that_come_and_go(with_b.layout, trace_at(site_only_where_positive, (y,), {}, with_b,
                                                           torch.tensor([2.0, 0.0]))) == ([], [])
     eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
     trace = trace_at(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), {}, eight, eight.initial_z - 1.5)
