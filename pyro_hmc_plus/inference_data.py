@@ -49,6 +49,26 @@ class SamplingWarning(UserWarning):
     (the model cuts it)."""
 
 
+class SampleStats(dict):
+    """One chain's per-draw statistics, ``name -> list`` (warmup included), as they travel in
+    the chain's diagnostics. A plain dict with a short ``repr``: ``print(mcmc.diagnostics())``
+    shows Pyro's summary of every chain, not the thousands of numbers of every draw
+    (read them with :func:`to_inference_data`, or index the dict)."""
+
+    def __repr__(self):
+        draws = len(next(iter(self.values()), ()))
+        names = ", ".join(name for name in self if name != "warmup")
+        return (f"<sample stats of {draws} draws ({sum(self.get('warmup', ()))} warmup): {names}; "
+                "pyro_hmc_plus.to_inference_data(mcmc) exports them>")
+
+
+def chain_diagnostics(divergences: List[int], acceptance_rate: float, sample_stats: dict) -> dict:
+    """A chain's ``kernel.diagnostics()``: Pyro's (the post-warmup draws that diverged, by
+    index, and the acceptance rate) and the chain's per-draw ``sample_stats``."""
+    return {"divergences": divergences, "acceptance rate": acceptance_rate,
+            "sample_stats": SampleStats(sample_stats)}
+
+
 def chain_sample_stats(mcmc) -> List[dict]:
     """Each chain's per-draw statistics (dicts of lists, warmup included), in chain order.
 

@@ -19,7 +19,7 @@ from . import adaptation, chain_batch, nuts, potential, rounds
 from ._warn import warn_user
 from .engine import GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
-from .inference_data import SamplingWarning, listing
+from .inference_data import SamplingWarning, chain_diagnostics, listing
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
@@ -546,11 +546,8 @@ class HMC(MCMCKernel):
         :attr:`sample_stats`): Pyro's ``MCMC`` collects this dict from every chain, worker
         processes included, which is how :func:`pyro_hmc_plus.to_inference_data` finds them."""
         n = self._t - self._warmup_steps
-        return {
-            "divergences": list(self._divergences),
-            "acceptance rate": self._accept_cnt / n if n > 0 else float("nan"),
-            "sample_stats": self._chain_stats[-1] if self._chain_stats else {},
-        }
+        return chain_diagnostics(list(self._divergences), self._accept_cnt / n if n > 0 else float("nan"),
+                                 self._chain_stats[-1] if self._chain_stats else {})
 
     @property
     def sample_stats(self):

@@ -33,7 +33,7 @@ from . import adaptation, chain_batch, rounds
 from ._warn import warn_user
 from .hmc import HMCState
 from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, EngineFallbackWarning, is_numerical_failure, with_autograd
-from .inference_data import diagnose, summary_table, to_inference_data
+from .inference_data import chain_diagnostics, diagnose, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
 from .nuts import select
 from .metric import Metric, make_metric
@@ -275,12 +275,12 @@ class MCMC(pyro.infer.MCMC):
             stats = run.statistics(r)
             kernel._chain_stats.append(stats)
             post = r[W:]
-            self._diagnostics[chain] = {
-                "divergences": [i for i, d in enumerate(stats["diverging"][W:]) if d],
-                "acceptance rate": post[:, D + chain_batch.STAT_COLUMNS.index("accepted")].double().mean().item()
+            self._diagnostics[chain] = chain_diagnostics(
+                [i for i, d in enumerate(stats["diverging"][W:]) if d],
+                post[:, D + chain_batch.STAT_COLUMNS.index("accepted")].double().mean().item()
                 if len(post) else float("nan"),
-                "sample_stats": stats,
-            }
+                stats,
+            )
         if self.transforms is None:
             self.transforms = kernel.transforms or {}
         self._samples = self._constrained(torch.stack([r[W : W + num_kept, :D] for r in rows]))

@@ -550,6 +550,21 @@ def test_sample_stats_diagnostics_and_arviz():
     mcmc.summary()
 
 
+def test_diagnostics_print_as_pyros_with_the_sample_stats_summarised():
+    """``print(mcmc.diagnostics())`` reads as Pyro's (sites' ESS and R-hat, divergences,
+    acceptance rates): the per-draw statistics that travel with it, 9 numbers a draw, show as
+    one line per chain; they stay a dict of the same lists, and pickle (worker processes)."""
+    kernel = NUTS(gauss2d)
+    mcmc = run(kernel, 200, 100)
+    diagnostics = mcmc.diagnostics()
+    stats = diagnostics["sample_stats"]["chain 0"]
+    assert stats == kernel.sample_stats[0] and pickle.loads(pickle.dumps(stats)) == stats
+    assert repr(stats) == ("<sample stats of 300 draws (100 warmup): lp, energy, acceptance_rate, diverging, "
+                           "step_size, n_steps, tree_depth, reached_max_treedepth; "
+                           "pyro_hmc_plus.to_inference_data(mcmc) exports them>")
+    assert len(repr(diagnostics)) < 1000
+
+
 def test_invalid_arguments():
     with pytest.raises(ValueError, match="max_tree_depth"):
         NUTS(gauss2d, max_tree_depth=0)
