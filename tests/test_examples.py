@@ -44,6 +44,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("hidden_markov.py", "of the days' regimes recovered"),
         ("sparse_regression.py", "regularized horseshoe: 0 divergences"),
         ("ordinal_regression.py", "6 of 6 true coefficients and cut points inside the 90% intervals"),
+        ("survival.py", "4 of 4 true parameters inside the 90% intervals"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
