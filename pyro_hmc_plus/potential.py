@@ -245,7 +245,10 @@ def from_model(
             ) from e
         raise
     if not init:
-        raise ValueError("the model has no continuous latent sites to sample")
+        raise ValueError(
+            "the model has no continuous latent sites to sample: each of its sample sites is observed "
+            "(`obs=`) or discrete and summed out. HMC and NUTS draw the sites without `obs`; check "
+            "that no unknown got data by mistake (an argument meant to be None).")
     if initial_params is not None:
         _check_initial_shapes(init, transforms, prototype)
     batch = () if num_chains == 1 or initial_params is not None else (num_chains,)

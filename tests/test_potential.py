@@ -269,3 +269,15 @@ def test_models_hmc_cannot_set_up_get_an_error_that_names_the_remedy(model, args
     Pyro's message and says what to change."""
     with pytest.raises(NotImplementedError, match=what):
         from_model(model, args)
+
+
+def _every_site_observed(mu, y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0), obs=mu)  # meant to be sampled: mu=None
+    pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_a_model_without_latent_sites_gets_an_error_that_says_why():
+    """Pyro's kernels run such a model and return no draws; a model whose unknowns all got
+    data is a mistake, so the error says how it happens."""
+    with pytest.raises(ValueError, match=r"no continuous latent sites .* observed \(`obs=`\) .* by mistake"):
+        from_model(_every_site_observed, (torch.tensor(0.0), torch.tensor(1.0)))
