@@ -295,9 +295,9 @@ class HMC(MCMCKernel):
         if not 0 < target_accept_prob < 1:
             raise ValueError(f"target_accept_prob must be in (0, 1), got {target_accept_prob!r}")
         if not 0 < min_stepsize < max_stepsize:
-            raise ValueError("need 0 < min_stepsize < max_stepsize")
+            raise ValueError(f"need 0 < min_stepsize < max_stepsize, got {min_stepsize!r} and {max_stepsize!r}")
         if not (full_mass in (True, False) or isinstance(full_mass, list)):
-            raise ValueError("full_mass must be True, False or a list of tuples of site names")
+            raise ValueError(f"full_mass must be True, False or a list of tuples of site names, got {full_mass!r}")
         if max_plate_nesting is not None and not (isinstance(max_plate_nesting, numbers.Integral)
                                                   and max_plate_nesting >= 0):
             raise ValueError(f"max_plate_nesting must be a non-negative integer (or None: found by running "
@@ -306,7 +306,7 @@ class HMC(MCMCKernel):
             raise ValueError(f"init_strategy must be a function of a sample site, such as "
                              f"pyro.infer.autoguide.init_to_median, got {init_strategy!r}")
         if max_unroll < 1:
-            raise ValueError("max_unroll must be at least 1")
+            raise ValueError(f"max_unroll must be at least 1, got {max_unroll!r}")
         GradientEngine.check_name(engine)
         self.model = model
         self._user_potential_fn = potential_fn

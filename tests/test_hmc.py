@@ -455,6 +455,16 @@ def test_bad_arguments_get_clear_errors():
         HMC(gauss2d, max_plate_nesting=-1)  # Pyro's kernel fails at setup with a bare AssertionError
     with pytest.raises(ValueError, match="init_strategy must be a function of a sample site"):
         HMC(gauss2d, init_strategy="median")  # Pyro's: TypeError: 'str' object is not callable, at setup
+    with pytest.raises(ValueError, match="trajectory_length must be positive, got 0.0"):
+        HMC(gauss2d, trajectory_length=0.0)
+    with pytest.raises(ValueError, match=r"target_accept_prob must be in \(0, 1\), got 1.0"):
+        HMC(gauss2d, target_accept_prob=1.0)
+    with pytest.raises(ValueError, match="need 0 < min_stepsize < max_stepsize, got 1.0 and 0.5"):
+        HMC(gauss2d, min_stepsize=1.0, max_stepsize=0.5)
+    with pytest.raises(ValueError, match="full_mass must be True, False or a list of tuples of site names, got 'q'"):
+        HMC(gauss2d, full_mass="q")
+    with pytest.raises(ValueError, match="max_unroll must be at least 1, got 0"):
+        HMC(gauss2d, max_unroll=0)
 
 
 def test_non_finite_initial_params_are_rejected():

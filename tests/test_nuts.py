@@ -373,6 +373,22 @@ def test_a_starting_metric_that_does_not_fit_the_model_gets_a_clear_error(given,
         run(NUTS(_three_scales, inverse_mass_matrix=given), 5, 5)
 
 
+_CORRELATED_4 = torch.eye(4) + 0.5 * (torch.ones(4, 4) - torch.eye(4))  # positive definite
+
+
+@pytest.mark.parametrize("full_mass, given, error", [
+    (True, _CORRELATED_4 + 1.5 * (torch.ones(4, 4) - torch.eye(4)), "must be finite and positive definite"),
+    ([("x",)], _CORRELATED_4, "has entries outside the dense blocks of full_mass, where they are 0"),
+    ([("x",), ("x", "y")], None, "site 'x' appears in two full_mass blocks"),
+])
+def test_dense_metrics_that_do_not_fit_get_a_clear_error(full_mass, given, error):
+    """A symmetric matrix with a positive diagonal can still be indefinite (off-diagonal 2
+    against 1: the Cholesky factorisation finds it); a dense block must not reach into the
+    diagonal sites; a site belongs to one block."""
+    with pytest.raises(ValueError, match=error):
+        run(NUTS(_three_scales, full_mass=full_mass, inverse_mass_matrix=given), 5, 5)
+
+
 def test_conjugate_normal_normal_and_slice_variant():
     x = torch.randn(20) + 3.0
     mean, var = normal_normal_posterior(x)
