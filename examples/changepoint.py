@@ -1,6 +1,6 @@
 """When did the rate change? British coal-mining disasters per year, 1851-1961, modelled as
 Poisson counts at an early rate before a switchpoint year and a late rate from it on (the
-change-point model of PyMC's and Stan's manuals). About 10 s on 2 cores.
+change-point model of PyMC's and Stan's manuals). About 13 s on 2 cores.
 
 The switchpoint is discrete, and NUTS needs a continuous posterior. The model marks it for
 enumeration; Pyro's potential then sums it out exactly over the 111 candidate years, so
