@@ -1,7 +1,11 @@
 """Sampling without a Pyro model: ``HMC``/``NUTS`` over a hand-written ``potential_fn`` of a
 dict of unconstrained tensors, as in Pyro. The target is a banana-shaped density (a
 Rosenbrock-like warp of a Gaussian) plus a positive scale handled through a transform. About
-10 s on 2 cores.
+7 s on 2 cores.
+
+The banana's tails curve more sharply than its body, where the step size is adapted: at
+Pyro's default ``target_accept_prob=0.8``, 3 of the 4,000 draws diverge and the run warns;
+0.9 makes the steps small enough for the tails (no divergences).
 
     python examples/potential_fn.py [--num-samples N] [--out DIR] [--no-plots]
 """
@@ -34,7 +38,7 @@ def main():
     args = parser.parse_args()
     num_chains = 4
     initial = {"x": torch.zeros(num_chains, 2), "s": torch.zeros(num_chains, 1)}  # one row per chain
-    kernel = NUTS(potential_fn=potential_fn, transforms={"s": ExpTransform().inv})
+    kernel = NUTS(potential_fn=potential_fn, transforms={"s": ExpTransform().inv}, target_accept_prob=0.9)
     pyro.set_rng_seed(0)
     mcmc = MCMC(kernel, num_samples=args.num_samples, warmup_steps=args.num_samples, num_chains=num_chains,
                 initial_params=initial)
