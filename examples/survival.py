@@ -142,10 +142,9 @@ def main():
           f"truth {(-TRUTH['shape'] * true_treatment).exp():.2f}")
 
     # replicated studies: new event times for the same patients, censored at the same follow-up
-    replicated_times = Predictive(pyro.poutine.uncondition(weibull_regression), draws, return_sites=["t"])(
-        x, t, event)["t"]
-    replicated = kaplan_meier(torch.minimum(replicated_times, follow_up), replicated_times <= follow_up,
-                              torch.tensor(CHECK_TIMES))
+    event_times = Predictive(pyro.poutine.uncondition(weibull_regression), draws, return_sites=["t"])(x, t, event)["t"]
+    replicated_study = (torch.minimum(event_times, follow_up), event_times <= follow_up)  # (t, event) per draw
+    replicated = kaplan_meier(*replicated_study, torch.tensor(CHECK_TIMES))
     observed = kaplan_meier(t, event, torch.tensor(CHECK_TIMES))
     low, high = replicated.quantile(0.05, 0), replicated.quantile(0.95, 0)
     print("\nKaplan-Meier share event-free, observed and replicated (90% of studies):")
@@ -162,7 +161,7 @@ def main():
 
         args.out.mkdir(parents=True, exist_ok=True)
         grid = torch.linspace(0.0, 3.0, 61)
-        curves = kaplan_meier(torch.minimum(replicated_times, follow_up), replicated_times <= follow_up, grid)
+        curves = kaplan_meier(*replicated_study, grid)
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.fill_between(grid, curves.quantile(0.05, 0), curves.quantile(0.95, 0), color="C0", alpha=0.3,
                         label="replicated studies (90%)")
