@@ -185,7 +185,9 @@ def to_inference_data(
         where the warmup draws were kept (:class:`pyro_hmc_plus.MCMC` keeps them, but not
         with ``chain_method="parallel"``; ``pyro.infer.MCMC`` does not).
     :param dict coords: ArviZ coordinates, ``{dim name: values}``.
-    :param dict dims: ``{site: [dim names]}``; sites not given get their ``pyro.plate`` names.
+    :param dict dims: ``{site: [dim names]}``; sites not given get their ``pyro.plate`` names,
+        except a site named like a sample statistic (``lp``, ``energy``, ...: ArviZ gives a
+        name's dims to it in every group), which gets ArviZ's default names.
     :param bool log_likelihood: pointwise log likelihood of every observed site (for
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
         ``pyro.infer.Predictive`` (draw by draw where the model does not broadcast over them).
@@ -289,6 +291,9 @@ def to_inference_data(
                          if summed_out is None else
                          functools.partial(_enumerated_replay, enumerated, summed_out, one_draw_shapes, shapes))
             loglik, computed = _replay(replay_at, mcmc.get_samples(), num_chains, num_draws)
+    # ArviZ gives a name's dims to it in every group: a site named like a sample statistic (a
+    # ``pyro.factor("lp", ...)``) keeps ArviZ's default dimension names, the statistic its own
+    all_dims = {name: names for name, names in all_dims.items() if name not in STAT_NAMES}
     all_dims.update(dims or {})
     groups = dict(posterior={**samples, **computed}, sample_stats=post_stats)
     if loglik:

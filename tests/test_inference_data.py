@@ -329,6 +329,32 @@ def test_factor_sites_are_no_data_and_only_pointwise_ones_are_likelihood_terms()
         assert np.isfinite(az.loo(idata).elpd_loo)  # one pointwise term: no var_name needed
 
 
+def test_sites_named_like_sample_statistics_are_exported():
+    """``pyro.factor("lp", ...)`` is a common way to add a log density, and ``lp`` is also the
+    sample statistic of the log density: the site's dimension names must not be given to the
+    statistic, which has none besides chain and draw (ArviZ's dims apply by name in every group)."""
+    y = torch.tensor([0.5, 1.5, 1.0, 2.0])
+
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        pyro.factor("lp", -0.01 * mu ** 2)
+        with pyro.plate("obs", len(y)):
+            pyro.factor("energy", dist.Normal(mu, 1.0).log_prob(y))
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the run's checks export the run: they must not fail
+        mcmc.run(y)
+    idata = to_inference_data(mcmc, save_warmup=True)
+    for group in (idata.sample_stats, idata.warmup_sample_stats):
+        assert group["lp"].dims == group["energy"].dims == ("chain", "draw")
+    assert idata.log_likelihood["energy"].shape == (2, 50, 4)
+    mu = idata.posterior["mu"].values[..., None]
+    np.testing.assert_allclose(idata.log_likelihood["energy"], dist.Normal(torch.tensor(mu), 1.0).log_prob(y).numpy(),
+                               rtol=1e-5)
+
+
 def test_chain_order_with_twelve_chains():
     pyro.set_rng_seed(1)
     mcmc = MCMC(NUTS(eight_schools), num_samples=20, warmup_steps=20, num_chains=12, disable_progbar=True,
