@@ -119,6 +119,16 @@ def _host_values(*scalars: torch.Tensor) -> list:
     return torch.stack([x.to(torch.float64) for x in scalars]).tolist()
 
 
+def _floating_point(initial_params: typing.Optional[dict]) -> typing.Optional[dict]:
+    """``initial_params`` as tensors, integers (``torch.tensor(0)``, ``0``) as floating-point
+    ones of the default dtype (as ``torch.tensor(0.0)``): torch's distributions take integers
+    for their parameters, so users write them for starting values too."""
+    if initial_params is None:
+        return None
+    values = {k: torch.as_tensor(v) for k, v in initial_params.items()}
+    return {k: v if v.is_floating_point() else v.to(torch.get_default_dtype()) for k, v in values.items()}
+
+
 def _args_key(args, kwargs):
     """What the traced programs depend on besides the model: the data and the default dtype.
 
@@ -487,7 +497,8 @@ class HMC(MCMCKernel):
         ``(num_chains, D)``, ``(num_chains,)``, ``(num_chains, D)``. ``initial``
         (unconstrained values) has a leading chain dimension when ``num_chains > 1``."""
         batch = (num_chains,) if num_chains > 1 else ()
-        first = None if initial is None else {k: torch.as_tensor(v)[(0,) * len(batch)] for k, v in initial.items()}
+        initial = _floating_point(initial)
+        first = None if initial is None else {k: v[(0,) * len(batch)] for k, v in initial.items()}
         if self.model is not None:
             flat = potential.from_model(
                 self.model,

@@ -157,10 +157,11 @@ class MCMC(pyro.infer.MCMC):
             kernel.save_params = save_params
         self._validate_kernel(initial_params)
         if initial_params:
+            initial_params = {k: torch.as_tensor(v) for k, v in initial_params.items()}  # numbers, lists too
             if num_chains > 1:
                 self._validate_initial_params(initial_params)
             else:
-                initial_params = {k: torch.as_tensor(v).unsqueeze(0) for k, v in initial_params.items()}
+                initial_params = {k: v.unsqueeze(0) for k, v in initial_params.items()}
         self._initial_params = initial_params
         self._hook = hook_fn
         self._diagnostics = [None] * num_chains

@@ -472,6 +472,37 @@ def test_non_finite_initial_params_are_rejected():
         run(HMC(gauss2d), 5, 5, initial_params={"q": torch.tensor([float("inf"), 0.0])})
 
 
+@pytest.mark.parametrize("with_model", [True, False])
+def test_integer_initial_params_start_where_their_float_values_do(with_model):
+    """``initial_params={"mu": torch.tensor(0)}`` means 0.0, as torch's distributions take
+    integers; it failed deep inside torch ("check_uniform_bounds" not implemented for 'Long';
+    Pyro's kernels: only floating point tensors can require gradients). Python numbers and
+    lists, which ``pyro.infer.MCMC`` refuses (it calls ``.unsqueeze`` and ``.shape`` on them),
+    work in our ``MCMC``."""
+    def draws(start, mcmc_class, num_chains=1):
+        pyro.set_rng_seed(0)
+        if with_model:
+            kernel, args = NUTS(_normal_and_poisson), (torch.ones(3),)
+        else:
+            kernel, args = NUTS(potential_fn=lambda p: 0.5 * (p["mu"] ** 2 + p["rate"] ** 2).sum()), ()
+        mcmc = mcmc_class(kernel, num_samples=5, warmup_steps=5, initial_params=start, num_chains=num_chains,
+                          disable_progbar=True)
+        mcmc.run(*args)
+        return mcmc.get_samples()
+
+    as_floats = draws({"mu": torch.tensor(1.0), "rate": torch.tensor(0.0)}, MCMC)
+    two_chains = draws({"mu": torch.tensor([1.0, 2.0]), "rate": torch.tensor([0.0, 0.0])}, pyro_hmc_plus.MCMC, 2)
+    for start, mcmc_class, num_chains, expected in (
+        ({"mu": torch.tensor(1), "rate": torch.tensor(0)}, MCMC, 1, as_floats),
+        ({"mu": 1, "rate": 0}, pyro_hmc_plus.MCMC, 1, as_floats),
+        ({"mu": [1, 2], "rate": [0, 0]}, pyro_hmc_plus.MCMC, 2, two_chains),  # vectorized
+    ):
+        as_integers = draws(start, mcmc_class, num_chains)
+        for name, value in expected.items():
+            assert as_integers[name].dtype == value.dtype
+            torch.testing.assert_close(as_integers[name], value)
+
+
 def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_clear_errors():
     """Both failed deep inside Pyro: a bare ``KeyError: 'rate'`` from the potential, and
     "Model specification seems incorrect" with nothing about what to check; with given
