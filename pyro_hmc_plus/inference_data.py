@@ -278,8 +278,8 @@ def to_inference_data(
             shapes, replayed = {name: shapes[name] for name in kept}, [name for name in replayed if name in summed_out]
             if left_out:
                 warn_user(
-                    f"the model's discrete sites {marginalised} are summed out by enumeration, not sampled, so "
-                    f"{left_out} are left out of the export: a pointwise log likelihood can sum out only the "
+                    f"the model's discrete sites {listing(marginalised)} are summed out by enumeration, not sampled, "
+                    f"so {listing(left_out)} are left out of the export: a pointwise log likelihood can sum out only the "
                     "discrete sites of its own plates (a value per observation, as a mixture's assignments), "
                     "and a pyro.deterministic value must not depend on them (log_likelihood=False, "
                     "deterministic=False export without this warning)",
