@@ -298,18 +298,24 @@ def test_predictive_draws_of_another_run_get_a_clear_error(schools_run):
         to_inference_data(schools_run, posterior_predictive=draws, log_likelihood=False)
 
 
+def _with_factors(prior_term: str, likelihood_term: str):
+    """A normal mean whose prior penalty and likelihood are ``pyro.factor`` sites of these
+    names: a scalar one, and a pointwise one in the plate ``obs``."""
+    def model(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        pyro.factor(prior_term, -0.01 * mu ** 2)
+        with pyro.plate("obs", len(y)):
+            pyro.factor(likelihood_term, dist.Normal(mu, 1.0).log_prob(y))
+
+    return model
+
+
 def test_factor_sites_are_no_data_and_only_pointwise_ones_are_likelihood_terms():
     """``pyro.factor``: a scalar prior term (Stan's ``ordered`` locations with a Normal prior)
     is no observation to leave out, a factor in a plate is a custom pointwise likelihood, and
     neither has data (Pyro stores an empty placeholder as its value)."""
     y = torch.tensor([0.5, 1.5, 1.0, 2.0])
-
-    def model(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        pyro.factor("penalty", -0.01 * mu ** 2)
-        with pyro.plate("obs", len(y)):
-            pyro.factor("likelihood", dist.Normal(mu, 1.0).log_prob(y))
-
+    model = _with_factors("penalty", "likelihood")
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True,
                 warn_on_problems=False)
@@ -334,15 +340,8 @@ def test_sites_named_like_sample_statistics_are_exported():
     sample statistic of the log density: the site's dimension names must not be given to the
     statistic, which has none besides chain and draw (ArviZ's dims apply by name in every group)."""
     y = torch.tensor([0.5, 1.5, 1.0, 2.0])
-
-    def model(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        pyro.factor("lp", -0.01 * mu ** 2)
-        with pyro.plate("obs", len(y)):
-            pyro.factor("energy", dist.Normal(mu, 1.0).log_prob(y))
-
     pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(model), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True)
+    mcmc = MCMC(NUTS(_with_factors("lp", "energy")), num_samples=50, warmup_steps=50, num_chains=2, disable_progbar=True)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # the run's checks export the run: they must not fail
         mcmc.run(y)
