@@ -533,7 +533,7 @@ class HMC(MCMCKernel):
     def _checked_initial_params(self, initial):
         if initial is None:
             return None
-        bad = [k for k, v in initial.items() if not torch.isfinite(torch.as_tensor(v)).all()]
+        bad = [k for k, v in initial.items() if not torch.isfinite(v).all()]
         if bad:
             raise ValueError(f"initial values of sites {bad} are not finite")
         return initial

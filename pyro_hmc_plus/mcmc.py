@@ -130,7 +130,9 @@ class MCMC(pyro.infer.MCMC):
             raise ValueError("leaves_per_call must be at least 1")
         if hook_fn is not None and not callable(hook_fn):  # Pyro's MCMC calls it after the first draw
             raise ValueError(f"hook_fn must be a function hook_fn(kernel, params, stage, i), got {hook_fn!r}")
-        unbatched = [k for k, v in (initial_params or {}).items() if torch.as_tensor(v).dim() == 0]
+        if initial_params:  # numbers and lists too, for every chain method
+            initial_params = {k: torch.as_tensor(v) for k, v in initial_params.items()}
+        unbatched = [k for k, v in (initial_params or {}).items() if v.dim() == 0]
         if num_chains > 1 and unbatched:  # Pyro's own check of the chain dimension fails with an IndexError
             raise ValueError(
                 f"initial_params {unbatched} have no chain dimension: with num_chains={num_chains}, give every "
@@ -160,7 +162,6 @@ class MCMC(pyro.infer.MCMC):
             kernel.save_params = save_params
         self._validate_kernel(initial_params)
         if initial_params:
-            initial_params = {k: torch.as_tensor(v) for k, v in initial_params.items()}  # numbers, lists too
             if num_chains > 1:
                 self._validate_initial_params(initial_params)
             else:

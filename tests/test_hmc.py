@@ -501,6 +501,13 @@ def test_integer_initial_params_start_where_their_float_values_do(with_model):
         for name, value in expected.items():
             assert as_integers[name].dtype == value.dtype
             torch.testing.assert_close(as_integers[name], value)
+    if with_model:  # Pyro's chains (worker processes where there are more CPUs than chains)
+        pyro.set_rng_seed(0)
+        parallel = pyro_hmc_plus.MCMC(NUTS(_normal_and_poisson), num_samples=5, warmup_steps=5, num_chains=2,
+                                      chain_method="parallel", initial_params={"mu": [1, 2], "rate": [0, 0]},
+                                      disable_progbar=True)
+        parallel.run(torch.ones(3))
+        assert parallel.get_samples(group_by_chain=True)["mu"].shape == (2, 5)
 
 
 def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_clear_errors():
