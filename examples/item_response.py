@@ -114,8 +114,8 @@ def main():
     ability = draws["ability"][..., 0]  # (draws, students)
     print(f"{inside('ability', truth['ability'])} of {NUM_STUDENTS} true abilities inside the 90% intervals")
     sd, level = ability.std(0), truth["ability"].abs()
-    print(f"posterior sd of an ability: {sd[level < 1].mean():.2f} within 1 of the mean, "
-          f"{sd[level > 2].mean():.2f} beyond 2")
+    print(f"posterior sd of an ability: {sd[level < 1].mean():.2f} for students within 1 sd of the average, "
+          f"{sd[level > 2].mean():.2f} for those beyond 2 sd")
 
     # replicated tests, one per draw (uncondition: Predictive would return the observed answers)
     replicated = Predictive(pyro.poutine.uncondition(two_parameter_logistic), draws,
