@@ -36,6 +36,7 @@ from pyro.poutine.util import site_is_subsample
 from .potential import element_name, model_trace
 from ._warn import warn_user
 
+ARVIZ_DIMS = ("chain", "draw")  # the dimensions ArviZ gives every draw
 STAT_NAMES = ("lp", "energy", "diverging", "acceptance_rate", "step_size", "tree_depth", "n_steps",
               "reached_max_treedepth")
 _STAT_DTYPES = {"diverging": bool, "reached_max_treedepth": bool, "tree_depth": np.int64, "n_steps": np.int64}
@@ -141,9 +142,9 @@ def _is_marginalised(site) -> bool:
 
 def plate_dims(trace) -> Dict[str, List[str]]:
     """Dimension names for each sample site: a ``pyro.plate`` 's name where the plate's
-    dimension and size match an axis of the site's value, ``<site>_dim_<i>`` elsewhere. (A
-    ``pyro.deterministic`` value is all event dimensions by default: its axes are matched
-    from the right as batch dimensions.)"""
+    dimension and size match an axis of the site's value, ``<site>_dim_<i>`` elsewhere and
+    for a plate named like one of :data:`ARVIZ_DIMS`. (A ``pyro.deterministic`` value is all
+    event dimensions by default: its axes are matched from the right as batch dimensions.)"""
     dims = {}
     for name, site in trace.nodes.items():
         if site["type"] != "sample" or site_is_subsample(site):
@@ -153,7 +154,7 @@ def plate_dims(trace) -> Dict[str, List[str]]:
         batch_ndim = len(shape) - (0 if site["infer"].get("_deterministic") else len(site["fn"].event_shape))
         names = [f"{name}_dim_{i}" for i in range(len(shape))]
         for frame in site["cond_indep_stack"]:
-            if frame.dim is None or frame.vectorized is False:
+            if frame.dim is None or frame.vectorized is False or frame.name in ARVIZ_DIMS:
                 continue
             axis = batch_ndim + frame.dim
             if 0 <= axis < batch_ndim and shape[axis] == frame.size:
@@ -187,7 +188,9 @@ def to_inference_data(
     :param dict coords: ArviZ coordinates, ``{dim name: values}``.
     :param dict dims: ``{site: [dim names]}``; sites not given get their ``pyro.plate`` names,
         except a site named like a sample statistic (``lp``, ``energy``, ...: ArviZ gives a
-        name's dims to it in every group), which gets ArviZ's default names.
+        name's dims to it in every group), which gets ArviZ's default names, as does a plate
+        named ``chain`` or ``draw`` (ArviZ's own dimensions). A site of one of those two
+        names is an error that says to rename it (ArviZ would drop its group).
     :param bool log_likelihood: pointwise log likelihood of every observed site (for
         ``az.loo``/``az.waic``), by replaying the model vectorised over the draws with
         ``pyro.infer.Predictive`` (draw by draw where the model does not broadcast over them).
@@ -320,6 +323,12 @@ def to_inference_data(
                 UserWarning,
             )
     used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values())}
+    clashes = sorted({name for g in groups.values() for name in g} & set(ARVIZ_DIMS))
+    if clashes:  # ArviZ drops a group with such a variable, without a word
+        raise ValueError(
+            f"the model's sites {clashes} are named like ArviZ's dimensions {ARVIZ_DIMS}, which ArviZ cannot "
+            "export (it drops the group that holds them): rename them; the draws are in mcmc.get_samples()"
+        )
     return _from_dict(groups, coords, used, used if pred_dims is None else pred_dims, save_warmup)
 
 

@@ -354,6 +354,35 @@ def test_sites_named_like_sample_statistics_are_exported():
                                rtol=1e-5)
 
 
+def test_names_that_are_arvizs_dimensions():
+    """ArviZ names its dimensions ``chain`` and ``draw``. A site of that name made ArviZ drop
+    the whole posterior without a word (``az.from_pyro`` too), and the run's checks then failed
+    on the missing group: now the export says what to rename. A plate of that name gives its
+    dimension ArviZ's default name, in the observed data as in the log likelihood."""
+    y = torch.tensor([0.5, 1.5, 1.0, 2.0])
+
+    def site_named_chain(y):
+        chain = pyro.sample("chain", dist.Normal(0.0, 5.0))
+        with pyro.plate("obs", len(y)):
+            pyro.sample("y", dist.Normal(chain, 1.0), obs=y)
+
+    def plate_named_draw(y):
+        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+        with pyro.plate("draw", len(y)):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(site_named_chain), num_samples=20, warmup_steps=20, disable_progbar=True, warn_on_problems=False)
+    mcmc.run(y)
+    with pytest.raises(ValueError, match=r"sites \['chain'\] are named like ArviZ's dimensions .*rename"):
+        to_inference_data(mcmc)
+    mcmc = MCMC(NUTS(plate_named_draw), num_samples=20, warmup_steps=20, disable_progbar=True, warn_on_problems=False)
+    mcmc.run(y)
+    idata = to_inference_data(mcmc)
+    assert idata.observed_data["y"].dims == ("y_dim_0",)
+    assert idata.log_likelihood["y"].dims == ("chain", "draw", "y_dim_0")
+
+
 def test_chain_order_with_twelve_chains():
     pyro.set_rng_seed(1)
     mcmc = MCMC(NUTS(eight_schools), num_samples=20, warmup_steps=20, num_chains=12, disable_progbar=True,
