@@ -361,22 +361,20 @@ def test_names_that_are_arvizs_dimensions():
     dimension ArviZ's default name, in the observed data as in the log likelihood."""
     y = torch.tensor([0.5, 1.5, 1.0, 2.0])
 
-    def site_named_chain(y):
-        chain = pyro.sample("chain", dist.Normal(0.0, 5.0))
-        with pyro.plate("obs", len(y)):
-            pyro.sample("y", dist.Normal(chain, 1.0), obs=y)
+    def normal_mean(mean_name, plate_name):
+        def model(y):
+            mean = pyro.sample(mean_name, dist.Normal(0.0, 5.0))
+            with pyro.plate(plate_name, len(y)):
+                pyro.sample("y", dist.Normal(mean, 1.0), obs=y)
 
-    def plate_named_draw(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
-        with pyro.plate("draw", len(y)):
-            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+        return model
 
     pyro.set_rng_seed(0)
-    mcmc = MCMC(NUTS(site_named_chain), num_samples=20, warmup_steps=20, disable_progbar=True, warn_on_problems=False)
+    mcmc = MCMC(NUTS(normal_mean("chain", "obs")), num_samples=20, warmup_steps=20, disable_progbar=True, warn_on_problems=False)
     mcmc.run(y)
     with pytest.raises(ValueError, match=r"sites \['chain'\] are named like ArviZ's dimensions .*rename"):
         to_inference_data(mcmc)
-    mcmc = MCMC(NUTS(plate_named_draw), num_samples=20, warmup_steps=20, disable_progbar=True, warn_on_problems=False)
+    mcmc = MCMC(NUTS(normal_mean("mu", "draw")), num_samples=20, warmup_steps=20, disable_progbar=True, warn_on_problems=False)
     mcmc.run(y)
     idata = to_inference_data(mcmc)
     assert idata.observed_data["y"].dims == ("y_dim_0",)
