@@ -217,13 +217,13 @@ def from_model(
         untransformable = _sites_without_a_bijection(model, model_args, model_kwargs or {}, init_strategy,
                                                      user_transforms)
         if untransformable:
+            remedies = [remedy.format(names=", ".join(sorted(n for n, s in untransformable.items() if s == support)))
+                        for support, remedy in _REPARAMETRISATIONS.items() if support in untransformable.values()]
             raise NotImplementedError(
                 f"{str(e).rstrip('.')}: the latent sites {untransformable} have supports that torch "
                 "cannot map one-to-one to unconstrained space, which HMC and NUTS sample in. Give "
                 "those sites a transform (`transforms={name: transform}`), or sample a "
-                "parametrisation that has one: for a covariance matrix, a Cholesky factor of the "
-                "correlations (`LKJCholesky`) scaled by standard deviations, as Stan advises over "
-                "`Wishart`."
+                "parametrisation that has one" + (": " + "; ".join(remedies) if remedies else "") + "."
             ) from e
         raise NotImplementedError(
             f"{str(e).rstrip('.')}. HMC and NUTS need a model without subsampling "
@@ -319,6 +319,16 @@ def _with_default_transforms(model, model_args, model_kwargs, transforms, init_s
         **{name: biject_to(site["fn"].support).inv for name, site in latent.items() if name not in transforms},
         **transforms,
     }
+
+
+# What to sample instead of a support without a bijection, by the support's name (as
+# :func:`_sites_without_a_bijection` gives it); ``{names}`` are those sites' names.
+_REPARAMETRISATIONS = {
+    "PositiveDefinite": "for a covariance matrix ({names}), a Cholesky factor of the correlations "
+                        "(`LKJCholesky`) scaled by standard deviations, as Stan advises over `Wishart`",
+    "Sphere": "for a `ProjectedNormal` direction ({names}), the vector it normalises, as Pyro advises: "
+              "`poutine.reparam(model, config={{name: ProjectedNormalReparam()}})`",
+}
 
 
 def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, transforms) -> Dict[str, str]:

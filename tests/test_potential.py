@@ -2,8 +2,10 @@ import pyro
 import pyro.distributions as dist
 import pytest
 import torch
+from pyro import poutine
 from pyro.infer.autoguide import init_to_value
 from pyro.infer.mcmc.util import initialize_model
+from pyro.infer.reparam import ProjectedNormalReparam
 from pyro.ops.integrator import potential_grad
 
 from pyro_hmc_plus import SiteLayout, from_model, from_potential_fn
@@ -258,17 +260,28 @@ def _wishart_covariance(y):
     pyro.sample("y", dist.MultivariateNormal(torch.zeros(2), covariance_matrix=cov), obs=y)
 
 
+def _direction():
+    pyro.sample("u", dist.ProjectedNormal(torch.tensor([1.0, 0.5, 0.0])))
+
+
 @pytest.mark.parametrize("model, args, what", [
     (_subsampled, (torch.zeros(5),), "subsampling"),
     (_improper_prior, (), "init_to_value"),
     (_wishart_covariance, (torch.ones(2),), r"Cannot transform .*\{'S': 'PositiveDefinite'\}.*LKJCholesky"),
+    (_direction, (), r"Cannot transform .*\{'u': 'Sphere'\}.*ProjectedNormal` direction \(u\).*ProjectedNormalReparam"),
 ])
 def test_models_hmc_cannot_set_up_get_an_error_that_names_the_remedy(model, args, what):
-    """Pyro refuses all three (subsampling; a prior it cannot sample for a starting value; a
-    support without a bijection, whose site Pyro's error does not name); the error keeps
-    Pyro's message and says what to change."""
+    """Pyro refuses all four (subsampling; a prior it cannot sample for a starting value;
+    supports without a bijection, whose site Pyro's error does not name); the error keeps
+    Pyro's message and says what to change, for each support the change that fits it."""
     with pytest.raises(NotImplementedError, match=what):
         from_model(model, args)
+
+
+def test_the_remedy_the_error_gives_for_a_direction_sets_up():
+    """``ProjectedNormalReparam`` samples the 3-vector that ``ProjectedNormal`` normalises."""
+    potential = from_model(poutine.reparam(_direction, config={"u": ProjectedNormalReparam()}))
+    assert potential.layout.dim == 3
 
 
 def _every_site_observed(mu, y):
