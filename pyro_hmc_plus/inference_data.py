@@ -33,7 +33,7 @@ from pyro.infer import config_enumerate
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
-from .potential import element_name, model_trace
+from .potential import element_name, model_trace, unwrapped_distribution
 from ._warn import warn_user
 
 ARVIZ_DIMS = ("chain", "draw")  # the dimensions ArviZ gives every draw
@@ -46,8 +46,9 @@ class SamplingWarning(UserWarning):
     """The run's diagnostics say its draws should not be trusted as they are; or, at a
     kernel's setup, the potential energy does not depend on some coordinates (the posterior
     is improper along them), a latent site's support moves with other latent sites (Pyro's
-    transforms fix it at the initial values), or the gradient misses part of the potential
-    (the model cuts it)."""
+    transforms fix it at the initial values), a latent angle's density repeats every turn
+    (its draws wander over many turns), or the gradient misses part of the potential (the
+    model cuts it)."""
 
 
 class SampleStats(dict):
@@ -442,21 +443,13 @@ def _is_deterministic(site) -> bool:
     or the log likelihood."""
     if site["type"] != "sample" or not site["is_observed"]:
         return False
-    return bool(site["infer"].get("_deterministic")) or isinstance(_unwrapped(site["fn"]), pyro.distributions.Delta)
+    return bool(site["infer"].get("_deterministic")) or isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Delta)
 
 
 def _is_factor(site) -> bool:
     """A ``pyro.factor`` site: an observed ``Unit`` whose value is an empty placeholder and
     whose log density is the factor."""
-    return isinstance(_unwrapped(site["fn"]), pyro.distributions.Unit)
-
-
-def _unwrapped(fn):
-    """A site's distribution without the masks (a plate's, ``obs_mask``) and ``to_event`` s
-    around it."""
-    while isinstance(fn, (pyro.distributions.MaskedDistribution, pyro.distributions.Independent)):
-        fn = fn.base_dist
-    return fn
+    return isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Unit)
 
 
 def _replay(replay_at, samples, num_chains, num_draws):

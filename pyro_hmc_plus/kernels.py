@@ -193,7 +193,8 @@ def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, 
     model. A :class:`SamplingWarning` before the run, naming the latent sites whose support
     moves with other latent sites (:func:`potential.sites_with_moving_supports`, at the last
     point where the model evaluates): Pyro's transforms fix it at the initial values, and the
-    draws do not follow the model's posterior."""
+    draws do not follow the model's posterior. Another there, naming the angles of a periodic
+    density (:func:`potential.sites_with_periodic_densities`), which wander over many turns."""
     runs = [(z, potential.trace_at(model, args, kwargs, flat, z)) for z in flat.probe_points()[1:]]
     runs = [(z, trace) for z, trace in runs if trace is not None]
     for z, trace in runs:
@@ -212,6 +213,19 @@ def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, 
     if not runs:  # the model evaluates only at its initial values: nothing to compare
         return
     z, trace = runs[-1]
+    angles = potential.sites_with_periodic_densities(trace, flat.layout, skip=user_transforms or ())
+    if angles:
+        warn_user(
+            f"the latent sites {angles} are angles whose density repeats every turn (von Mises): torch "
+            "declares their support the whole real line, so Pyro's HMC and NUTS, and these kernels, draw "
+            "angles that wander over many turns (the posterior along them is improper; trajectories often run "
+            "to the maximum tree depth). The draws are right modulo 2 pi only (wrapped into [-pi, pi): `torch.remainder(a + "
+            "math.pi, 2 * math.pi) - math.pi`); R-hat and ESS of the raw draws mean nothing. Sample a "
+            "direction instead, as Stan's unit vectors do: `v = pyro.sample('v', dist.Normal(0., 1.)"
+            ".expand([2]).to_event(1))`, the angle `a = pyro.deterministic('a', torch.atan2(v[..., 1], "
+            "v[..., 0]))` and its density `pyro.factor('a_density', dist.VonMises(loc, kappa).log_prob(a))`",
+            SamplingWarning,
+        )
     names = potential.sites_with_moving_supports(trace, flat, z, skip=user_transforms or ())
     if names:
         warn_user(

@@ -516,6 +516,32 @@ def sites_with_moving_supports(trace, flat: FlatPotential, z: torch.Tensor, skip
     return moved
 
 
+# Distributions of angles whose density repeats every 2 pi over a support that torch declares
+# the whole real line (so ``biject_to`` leaves them unconstrained).
+PERIODIC_DISTRIBUTIONS = (pyro.distributions.VonMises, pyro.distributions.SineBivariateVonMises,
+                          pyro.distributions.SineSkewed)
+
+
+def sites_with_periodic_densities(trace, layout: SiteLayout, skip=()) -> List[str]:
+    """The latent sites of ``layout``, except those in ``skip``, whose distribution in
+    ``trace`` (a run of the model, :func:`trace_at`) is one of :data:`PERIODIC_DISTRIBUTIONS`.
+    Along such a site the posterior is improper (it repeats every turn), so Pyro's HMC and
+    NUTS, and these kernels, draw an angle that wanders over many turns, right only modulo
+    2 pi."""
+    return [name for name in layout.names if name not in skip and name in trace.nodes
+            and isinstance(unwrapped_distribution(trace.nodes[name]["fn"]), PERIODIC_DISTRIBUTIONS)]
+
+
+def unwrapped_distribution(fn):
+    """A site's distribution without the masks (a plate's, ``obs_mask``), ``expand`` s and
+    ``to_event`` s around it."""
+    wrappers = (pyro.distributions.MaskedDistribution, pyro.distributions.Independent,
+                pyro.distributions.ExpandedDistribution)
+    while isinstance(fn, wrappers):
+        fn = fn.base_dist
+    return fn
+
+
 def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy=None) -> List[str]:
     """Why the potential is not finite, site by site, at one point of the init strategy: each
     site whose log density has a non-finite element, described with the likely cause (NaN
