@@ -243,6 +243,15 @@ def from_model(
                 + ". Check the model's data and priors, or pass finite `initial_params` (or another "
                 "`init_strategy`)."
             ) from e
+        other_dtype = _data_of_another_dtype(model_args, model_kwargs or {})
+        if other_dtype and ("dtype" in str(e) or "scalar type" in str(e)):
+            default = str(torch.get_default_dtype()).replace("torch.", "")
+            raise type(e)(
+                f"{str(e).rstrip()}\nSome of the model's data are not {default}, torch's default dtype, which its "
+                f"latent values have ({', '.join(other_dtype)}): NumPy's arrays are float64, and `torch.tensor(array)` "
+                f"keeps that. Convert the data (`torch.as_tensor(array, dtype=torch.{default})`), or sample in "
+                "float64 (`torch.set_default_dtype(torch.float64)` before the run)."
+            ) from e
         raise
     if not init:
         raise ValueError(
@@ -260,6 +269,14 @@ def from_model(
             model, model_args, model_kwargs or {},
             init_to_value(values={name: transforms[name].inv(u) for name, u in unconstrained.items()})),
     )
+
+
+def _data_of_another_dtype(model_args, model_kwargs) -> List[str]:
+    """The model's floating-point tensor arguments whose dtype is not torch's default (which
+    Pyro gives the latent values), as ``"argument 0 is float64"`` or ``"x is float64"``."""
+    named = [(f"argument {i}", a) for i, a in enumerate(model_args)] + list(model_kwargs.items())
+    return [f"{name} is {str(a.dtype).replace('torch.', '')}" for name, a in named
+            if torch.is_tensor(a) and a.is_floating_point() and a.dtype != torch.get_default_dtype()]
 
 
 def _inside_supports(init_strategy: Callable) -> Callable:

@@ -284,6 +284,24 @@ def test_the_remedy_the_error_gives_for_a_direction_sets_up():
     assert potential.layout.dim == 3
 
 
+def _linear_predictor(X, y):
+    w = pyro.sample("w", dist.Normal(0.0, 1.0).expand([2]).to_event(1))
+    pyro.sample("y", dist.Normal(X @ w, 1.0).to_event(1), obs=y)
+
+
+def test_data_of_another_dtype_than_the_latent_values_get_an_error_that_says_so():
+    """NumPy's float64 data with float32 latent values fail in the model's matrix product
+    (Pyro's kernels too) with torch's "must have the same dtype"; the error names the data
+    and the two remedies. An error of another kind with such data gets no such hint."""
+    X, y = torch.ones(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"(?s)same dtype.*not float32.*\(argument 0 is float64, y is "
+                                           r"float64\).*dtype=torch.float32.*set_default_dtype"):
+        from_model(_linear_predictor, (X,), {"y": y})
+    with pytest.raises(RuntimeError) as caught:
+        from_model(_linear_predictor, (torch.ones(3, 4, dtype=torch.float64),), {"y": y})
+    assert "size mismatch" in str(caught.value) and "float32" not in str(caught.value)
+
+
 def _every_site_observed(mu, y):
     mu = pyro.sample("mu", dist.Normal(0.0, 10.0), obs=mu)  # meant to be sampled: mu=None
     pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
