@@ -47,8 +47,9 @@ class SamplingWarning(UserWarning):
     kernel's setup, the potential energy does not depend on some coordinates (the posterior
     is improper along them), a latent site's support moves with other latent sites (Pyro's
     transforms fix it at the initial values), a latent angle's density repeats every turn
-    (its draws wander over many turns), or the gradient misses part of the potential (the
-    model cuts it)."""
+    (its draws wander over many turns), observed data broadcast against their distribution
+    into an outer product, or the gradient misses part of the potential (the model cuts
+    it)."""
 
 
 class SampleStats(dict):

@@ -193,8 +193,10 @@ def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, 
     model. A :class:`SamplingWarning` before the run, naming the latent sites whose support
     moves with other latent sites (:func:`potential.sites_with_moving_supports`, at the last
     point where the model evaluates): Pyro's transforms fix it at the initial values, and the
-    draws do not follow the model's posterior. Another there, naming the angles of a periodic
-    density (:func:`potential.sites_with_periodic_densities`), which wander over many turns."""
+    draws do not follow the model's posterior. Others there, naming the angles of a periodic
+    density (:func:`potential.sites_with_periodic_densities`), which wander over many turns,
+    and the observed data that broadcast against their distributions into an outer product
+    (:func:`potential.data_broadcast_against_their_distributions`)."""
     runs = [(z, potential.trace_at(model, args, kwargs, flat, z)) for z in flat.probe_points()[1:]]
     runs = [(z, trace) for z, trace in runs if trace is not None]
     for z, trace in runs:
@@ -213,6 +215,16 @@ def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, 
     if not runs:  # the model evaluates only at its initial values: nothing to compare
         return
     z, trace = runs[-1]
+    outer = potential.data_broadcast_against_their_distributions(trace, flat.layout)
+    if outer:
+        warn_user(
+            f"observed data and their distributions broadcast against each other: {'; '.join(outer)}. Each value "
+            "is scored against every other value's parameters (an outer product), so the posterior is wrong, "
+            "with Pyro's HMC and NUTS as with these kernels. Give the data the distribution's batch shape: a "
+            "column of data (`y[:, None]`, `df[['y']]`) against a plate of the same length needs "
+            "`y.reshape(-1)`",
+            SamplingWarning,
+        )
     angles = potential.sites_with_periodic_densities(trace, flat.layout, skip=user_transforms or ())
     if angles:
         warn_user(

@@ -507,6 +507,34 @@ def sites_that_come_and_go(layout: SiteLayout, trace) -> Tuple[List[str], List[s
     return absent, new
 
 
+def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> List[str]:
+    """The observed sites of ``trace`` (a run of the model, :func:`trace_at`; not the latent
+    sites of ``layout``, which it conditions) whose data and distribution both grow when
+    broadcast against each other, each described as ``"'y': data (50, 1) against batch shape
+    (50,) give 2,500 log densities for 50 values"``. The log density then scores every value
+    against every other value's parameters (an outer product), and the posterior is wrong,
+    without an error from torch or Pyro. Data broadcast against a smaller distribution (a
+    scalar ``Normal(mu, s)`` over a vector) or the reverse (one value observed for a whole
+    plate) grow one side only and are not found."""
+    found = []
+    for name, site in trace.nodes.items():
+        if (site["type"] != "sample" or not site["is_observed"] or name in layout.names or site_is_subsample(site)
+                or isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Unit)):
+            continue
+        fn, value = site["fn"], site["value"]
+        if not torch.is_tensor(value):
+            continue
+        try:
+            data_shape, batch_shape = value.shape[:value.dim() - fn.event_dim], torch.Size(fn.batch_shape)
+            scored = torch.broadcast_shapes(data_shape, batch_shape)
+        except Exception:  # noqa: BLE001 - shapes that do not broadcast: torch's own error says so, at the first log density
+            continue
+        if scored.numel() > max(data_shape.numel(), batch_shape.numel()):
+            found.append(f"{name!r}: data {tuple(data_shape)} against batch shape {tuple(batch_shape)} give "
+                         f"{scored.numel():,} log densities for {data_shape.numel():,} values")
+    return found
+
+
 def sites_with_moving_supports(trace, flat: FlatPotential, z: torch.Tensor, skip=()) -> List[str]:
     """The latent sites whose support moves with the other latent sites (``b ~ Uniform(0,
     a)``, ``Pareto(scale=a, ...)``), except those in ``skip``, found in ``trace``, a run of
