@@ -623,16 +623,21 @@ def _bounded_by_a_latent_reparametrised():
     pyro.deterministic("b", a * pyro.sample("u", dist.Uniform(0.0, 1.0)))
 
 
+def _setup_warnings(model, *args, **kernel_kwargs):
+    """The messages of the :class:`SamplingWarning` s that NUTS's setup emits for ``model(*args)``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", pyro_hmc_plus.SamplingWarning)
+        NUTS(model, **kernel_kwargs).setup(0, *args)
+    return [str(w.message) for w in caught if issubclass(w.category, pyro_hmc_plus.SamplingWarning)]
+
+
 def test_sites_whose_support_moves_with_other_latent_sites_are_named_before_the_run():
     """Pyro's kernels sample ``b ~ Uniform(0, a)`` truncated to ``b < a`` at the initial
     ``a``, without a word (one run: ``E[b]`` 0.57 where it is 0.75); the kernels say so at setup,
     once, and not for the same model written with a fixed support."""
-    with pytest.warns(pyro_hmc_plus.SamplingWarning) as caught:
-        NUTS(_bounded_by_a_latent).setup(0)
-    assert [str(w.message).split(" move")[0] for w in caught] == ["the supports of the latent sites ['b']"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
-        NUTS(_bounded_by_a_latent_reparametrised).setup(0)
+    assert [m.split(" move")[0] for m in _setup_warnings(_bounded_by_a_latent)] == [
+        "the supports of the latent sites ['b']"]
+    assert _setup_warnings(_bounded_by_a_latent_reparametrised) == []
 
 
 def _regression(x, y, plate=True):
@@ -647,16 +652,11 @@ def test_data_broadcast_against_their_distribution_are_named_before_the_run():
     word); the kernels say so at setup. Data that broadcast one way only do not warn: a
     scalar distribution over a vector of data, one value observed for a whole plate."""
     x = torch.arange(5.0)
-    with pytest.warns(pyro_hmc_plus.SamplingWarning) as caught:
-        NUTS(_regression).setup(0, x, 2 * x[:, None])
-    assert [str(w.message).split(". Each")[0] for w in caught] == [
+    assert [m.split(". Each")[0] for m in _setup_warnings(_regression, x, 2 * x[:, None])] == [
         "observed data and their distributions broadcast against each other: 'y': data (5, 1) against batch "
         "shape (5,) give 25 log densities for 5 values"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
-        NUTS(_regression).setup(0, x, 2 * x)
-        NUTS(_regression).setup(0, x, 2 * x, False)
-        NUTS(_regression).setup(0, x, torch.tensor(1.0))
+    for y, plate in ((2 * x, True), (2 * x, False), (torch.tensor(1.0), True)):
+        assert _setup_warnings(_regression, x, y, plate) == []
 
 
 def _angle():
@@ -681,15 +681,11 @@ def test_angles_with_a_von_mises_density_are_named_before_the_run():
     """torch gives ``VonMises`` the real line as support, so an angle's draws wander over
     many turns (one run: from -2,700 to 1,200) without a word from Pyro; the kernels say so at
     setup, once, and not for the angle sampled as a direction or given a transform."""
-    with pytest.warns(pyro_hmc_plus.SamplingWarning) as caught:
-        NUTS(_angles).setup(0)
-    assert [str(w.message).split(" are angles")[0] for w in caught] == ["the latent sites ['a', 'b']"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", pyro_hmc_plus.SamplingWarning)
-        NUTS(_angle_of_a_direction).setup(0)
-        circle = dist.transforms.ComposeTransform([dist.transforms.SigmoidTransform(),
-                                                   dist.transforms.AffineTransform(-math.pi, 2 * math.pi)])
-        NUTS(_angles, transforms={"a": circle.inv, "b": circle.inv}).setup(0)
+    assert [m.split(" are angles")[0] for m in _setup_warnings(_angles)] == ["the latent sites ['a', 'b']"]
+    assert _setup_warnings(_angle_of_a_direction) == []
+    circle = dist.transforms.ComposeTransform([dist.transforms.SigmoidTransform(),
+                                               dist.transforms.AffineTransform(-math.pi, 2 * math.pi)])
+    assert _setup_warnings(_angles, transforms={"a": circle.inv, "b": circle.inv}) == []
 
 
 @pytest.mark.parametrize("model", [_angle, _angle_of_a_direction])
