@@ -46,6 +46,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("ordinal_regression.py", "6 of 6 true coefficients and cut points inside the 90% intervals"),
         ("survival.py", "4 of 4 true parameters inside the 90% intervals"),
         ("item_response.py", "share of correct answers is outside the replicated 90% range: 0 of 20"),
+        ("circular_regression.py", "3 of 3 true parameters inside the 90% intervals"),
     ],
 )
 def test_examples_run_in_fast_mode(script, expected):
