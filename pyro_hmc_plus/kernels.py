@@ -228,16 +228,17 @@ def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, 
     angles = potential.sites_with_periodic_densities(trace, flat.layout, skip=user_transforms or ())
     if angles:
         warn_user(
-            f"the latent sites {angles} are angles whose density repeats every turn (von Mises): torch "
-            "declares their support the whole real line, so Pyro's HMC and NUTS, and these kernels, draw "
-            "angles that wander over many turns (the posterior along them is improper; trajectories often run "
-            "to the maximum tree depth). The draws are right modulo 2 pi only (wrapped into [-pi, pi): "
-            "`torch.remainder(a + math.pi, 2 * math.pi) - math.pi`); R-hat and ESS of the raw draws mean nothing. Sample a "
-            "direction instead, as Stan's unit vectors do: `v = pyro.sample('v', dist.Normal(0., 1.)"
-            ".expand([2]).to_event(1))` with `pyro.factor('v_radius', -50 * (v.norm(dim=-1) - 1) ** 2)` (a "
-            "density of the radius alone leaves the angle uniform; one near 1 keeps NUTS away from the origin, "
-            "where a concentrated angle diverges), the angle `a = pyro.deterministic('a', torch.atan2(v[..., 1], "
-            "v[..., 0]))` and its density `pyro.factor('a_density', dist.VonMises(loc, kappa).log_prob(a))`",
+            f"the latent sites {angles} are angles whose density repeats every turn (von Mises): torch declares "
+            "their support the whole real line, so Pyro's HMC and NUTS, and these kernels, sample a posterior "
+            "with a copy in every turn (improper): the draws wander over many turns (trajectories often run to "
+            "the maximum tree depth), or chains settle in different turns. The draws are right modulo 2 pi only "
+            "(wrapped into [-pi, pi): `torch.remainder(a + math.pi, 2 * math.pi) - math.pi`); R-hat and ESS of "
+            "the raw draws mean nothing. Sample a direction instead, as Stan's unit vectors do: `v = "
+            "pyro.sample('v', dist.Normal(0., 1.).expand([2]).to_event(1))` with `pyro.factor('v_radius', -50 * "
+            "(v.norm(dim=-1) - 1) ** 2)` (a density of the radius alone leaves the angle uniform; one near 1 "
+            "keeps NUTS away from the origin, where a concentrated angle diverges), the angle `a = "
+            "pyro.deterministic('a', torch.atan2(v[..., 1], v[..., 0]))` and its density "
+            "`pyro.factor('a_density', dist.VonMises(loc, kappa).log_prob(a))`",
             SamplingWarning,
         )
     names = potential.sites_with_moving_supports(trace, flat, z, skip=user_transforms or ())
