@@ -509,13 +509,16 @@ def sites_that_come_and_go(layout: SiteLayout, trace) -> Tuple[List[str], List[s
 
 def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> List[str]:
     """The observed sites of ``trace`` (a run of the model, :func:`trace_at`; not the latent
-    sites of ``layout``, which it conditions) whose data and distribution both grow when
-    broadcast against each other, each described as ``"'y': data (50, 1) against batch shape
-    (50,) give 2,500 log densities for 50 values"``. The log density then scores every value
-    against every other value's parameters (an outer product), and the posterior is wrong,
-    without an error from torch or Pyro. Data broadcast against a smaller distribution (a
-    scalar ``Normal(mu, s)`` over a vector) or the reverse (one value observed for a whole
-    plate) grow one side only and are not found."""
+    sites of ``layout``, which it conditions) whose log density scores each data value more
+    than once, each described as ``"'y': data (50, 1) against batch shape (50,) give 2,500
+    log densities for 50 values"``: where data and distribution both grow when broadcast
+    against each other (a column of data against a plate), or where several data values
+    are repeated along a dimension that no plate of the site declares (the distribution's
+    parameters a column, ``w * x[:, None]``, which a plate then expands). The log density
+    then scores every value against every other value's parameters (an outer product), and
+    the posterior is wrong, without an error from torch or Pyro. Data broadcast against a
+    smaller distribution (a scalar ``Normal(mu, s)`` over a vector), one value observed for
+    a whole batch, and data repeated along a plate are not found."""
     found = []
     for name, site in trace.nodes.items():
         if (site["type"] != "sample" or not site["is_observed"] or name in layout.names or site_is_subsample(site)
@@ -529,7 +532,11 @@ def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> Lis
             scored = torch.broadcast_shapes(data_shape, batch_shape)
         except Exception:  # noqa: BLE001 - shapes that do not broadcast: torch's own error says so, at the first log density
             continue
-        if scored.numel() > max(data_shape.numel(), batch_shape.numel()):
+        padded = (1,) * (len(scored) - len(data_shape)) + tuple(data_shape)
+        repeated_along = {d for d in range(-len(scored), 0) if scored[d] > padded[d]}  # negative dims
+        plate_dims = {frame.dim for frame in site["cond_indep_stack"]}
+        if scored.numel() > max(data_shape.numel(), batch_shape.numel()) or (
+                data_shape.numel() > 1 and repeated_along - plate_dims):
             found.append(f"{name!r}: data {tuple(data_shape)} against batch shape {tuple(batch_shape)} give "
                          f"{scored.numel():,} log densities for {data_shape.numel():,} values")
     return found

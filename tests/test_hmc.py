@@ -643,20 +643,24 @@ def test_sites_whose_support_moves_with_other_latent_sites_are_named_before_the_
 def _regression(x, y, plate=True):
     w = pyro.sample("w", dist.Normal(0.0, 10.0))
     with pyro.plate("n", len(x)) if plate else contextlib.nullcontext():
-        pyro.sample("y", dist.Normal(w * x if plate else w, 1.0), obs=y)
+        pyro.sample("y", dist.Normal(w * x, 1.0), obs=y)
 
 
 def test_data_broadcast_against_their_distribution_are_named_before_the_run():
     """A column of data ``(5, 1)`` against a plate of 5 scores 25 pairs (one run with 50
     points: ``w`` 0.01 +- 0.04 where it is 1.93 +- 0.14, Pyro's NUTS the same, without a
-    word); the kernels say so at setup. Data that broadcast one way only do not warn: a
-    scalar distribution over a vector of data, one value observed for a whole plate."""
+    word), and so does a column of covariates, which the plate expands to ``(5, 5)``; the
+    kernels say so at setup. No warning for data that are scored once each, under a scalar
+    distribution or not, nor for one value observed for a whole plate or batch."""
     x = torch.arange(5.0)
+    prefix = "observed data and their distributions broadcast against each other: 'y': "
     assert [m.split(". Each")[0] for m in _setup_warnings(_regression, x, 2 * x[:, None])] == [
-        "observed data and their distributions broadcast against each other: 'y': data (5, 1) against batch "
-        "shape (5,) give 25 log densities for 5 values"]
-    for y, plate in ((2 * x, True), (2 * x, False), (torch.tensor(1.0), True)):
-        assert _setup_warnings(_regression, x, y, plate) == []
+        prefix + "data (5, 1) against batch shape (5,) give 25 log densities for 5 values"]
+    assert [m.split(". Each")[0] for m in _setup_warnings(_regression, x[:, None], 2 * x)] == [
+        prefix + "data (5,) against batch shape (5, 5) give 25 log densities for 5 values"]
+    for x_, y, plate in ((x, 2 * x, True), (x, 2 * x, False), (torch.tensor(1.0), 2 * x, False),
+                         (x, torch.tensor(1.0), True), (x, torch.tensor(1.0), False)):
+        assert _setup_warnings(_regression, x_, y, plate) == []
 
 
 def _angle():
