@@ -81,6 +81,11 @@ def angle_as_a_direction(x, directions=None):
     return likelihood(mu0.unsqueeze(-1), x, directions)
 
 
+def circular_mean(angles, dim=-1):
+    """The direction of the mean of ``angles`` as unit vectors, in ``[-pi, pi]``."""
+    return torch.atan2(angles.sin().mean(dim), angles.cos().mean(dim))
+
+
 def resultant_length(angles, dim=-1):
     """The mean resultant length of ``angles``: 1 when they all agree, near 0 when spread."""
     return torch.hypot(angles.cos().mean(dim), angles.sin().mean(dim))
@@ -106,7 +111,7 @@ def main():
     naive_idata = naive.to_inference_data()
     print(f"  chains' means of mu0: {[round(m, 2) for m in raw.mean(1).tolist()]}, R-hat "
           f"{float(az.rhat(naive_idata, var_names=['mu0'])['mu0']):.2f}; wrapped into [-pi, pi), their circular "
-          f"means: {[round(m, 2) for m in torch.atan2(raw.sin().mean(1), raw.cos().mean(1)).tolist()]}")
+          f"means: {[round(m, 2) for m in circular_mean(raw, 1).tolist()]}")
 
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(angle_as_a_direction), num_samples=args.num_samples, warmup_steps=args.num_samples,
@@ -117,21 +122,19 @@ def main():
     table = table[["mean", "sd", "hdi_5%", "hdi_95%", "ess_bulk", "r_hat"]]
     table["true"] = list(TRUTH.values())
     print(f"\nmu0 as a direction (mu0's mean, sd and interval are circular):\n{table.to_string()}")
-    post = idata.posterior
-    mu0 = torch.as_tensor(post["mu0"].values).reshape(-1)
+    draws = {name: torch.as_tensor(idata.posterior[name].values).reshape(-1) for name in TRUTH}
     # the 90% arc centred on the draws' circular mean (their interval once turned so that it is 0)
-    centre = torch.atan2(mu0.sin().mean(), mu0.cos().mean())
-    turned = wrapped(mu0 - centre)
+    centre = circular_mean(draws["mu0"])
+    turned = wrapped(draws["mu0"] - centre)
     inside = [abs(wrapped(torch.tensor(TRUTH["mu0"]) - centre)) <= turned.abs().quantile(0.9)]
     for name in ("beta", "kappa"):
-        draws = torch.as_tensor(post[name].values).reshape(-1)
-        inside.append(draws.quantile(0.05) <= TRUTH[name] <= draws.quantile(0.95))
+        inside.append(draws[name].quantile(0.05) <= TRUTH[name] <= draws[name].quantile(0.95))
     print(f"{sum(bool(i) for i in inside)} of {len(inside)} true parameters inside the 90% intervals")
 
     # replicated days from the posterior: is the spread around the means the observed one?
     samples = {k: v for k, v in mcmc.get_samples().items() if k in ("v", "beta", "kappa")}
     replicated = Predictive(angle_as_a_direction, samples, return_sites=["direction"])(x)["direction"]
-    means = mean_direction(mu0.unsqueeze(-1), torch.as_tensor(post["beta"].values).reshape(-1, 1), x)
+    means = mean_direction(draws["mu0"].unsqueeze(-1), draws["beta"].unsqueeze(-1), x)
     observed = resultant_length(directions - means).mean()
     spread = resultant_length(replicated - means)
     low, high = spread.quantile(0.05).item(), spread.quantile(0.95).item()
@@ -146,7 +149,7 @@ def main():
 
         args.out.mkdir(parents=True, exist_ok=True)
         grid = torch.linspace(-3, 3, 100)
-        curves = wrapped(mean_direction(mu0.unsqueeze(-1), torch.as_tensor(post["beta"].values).reshape(-1, 1), grid))
+        curves = wrapped(mean_direction(draws["mu0"].unsqueeze(-1), draws["beta"].unsqueeze(-1), grid))
         plt.scatter(x, directions, s=8, color="0.5", label="days")
         for curve in curves[:: max(1, len(curves) // 50)]:
             plt.plot(grid, curve, ".", ms=0.5, color="C0", alpha=0.3)
