@@ -113,17 +113,21 @@ def is_numerical_failure(e: Exception) -> bool:
 
 
 def with_autograd(fn: Callable) -> Callable:
-    """``fn`` run with autograd on, whatever mode its caller is in: sampling needs the
-    potential's gradient, and a ``torch.no_grad()`` or ``torch.inference_mode()`` block
-    around ``mcmc.run`` (written to save memory, as around a prediction) would otherwise stop
-    it inside Pyro with autograd's "element 0 of tensors does not require grad". The check
-    costs ~0.15 us a call where autograd is on (entering the modes ~2.4 us)."""
+    """``fn`` run with autograd on and its anomaly detection off, whatever mode its caller is
+    in: sampling needs the potential's gradient, and a ``torch.no_grad()`` or
+    ``torch.inference_mode()`` block around ``mcmc.run`` (written to save memory, as around a
+    prediction) would otherwise stop it inside Pyro with autograd's "element 0 of tensors does
+    not require grad". Anomaly detection (``torch.autograd.set_detect_anomaly(True)``, turned
+    on to find where a NaN comes from) checks every gradient for NaNs: the trace would refuse
+    that check as reading latent values, and it stops eager autograd at the first NaN
+    gradient, which a sampler meets by design at the far end of a divergent trajectory and
+    discards. The check costs ~0.15 us a call in the usual modes (entering the modes ~2.4 us)."""
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled() and not torch.is_anomaly_enabled():
             return fn(*args, **kwargs)
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), torch.autograd.set_detect_anomaly(False):
             return fn(*args, **kwargs)
 
     return run

@@ -102,6 +102,38 @@ def test_runs_inside_no_grad_and_inference_mode(mode, runner):
     assert_variance(mu, var)
 
 
+def _sum_with_unknown_noise():
+    x = pyro.sample("x", dist.Normal(torch.zeros(2), 1.0).to_event(1))
+    noise = pyro.sample("noise", dist.HalfNormal(1.0))
+    pyro.sample("y", dist.Normal(x.sum(), noise), obs=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("engine, chain_method", [("auto", "sequential"), ("auto", "vectorized"),
+                                                  ("eager", "sequential")])
+def test_anomaly_detection_around_the_run_changes_no_draw(engine, chain_method):
+    """Users turn on ``torch.autograd.set_detect_anomaly`` to find where a NaN comes from.
+    Around a run, its NaN check of every gradient made the trace refuse the model (as if
+    it read latent values), and the eager path then stopped at the first NaN gradient, which
+    a sampler meets by design at the far end of a divergent trajectory (Pyro's NUTS ran on
+    this model). The kernels keep it off for their own gradients: the same draws, and it is
+    on again after the run."""
+
+    def draws():
+        pyro.set_rng_seed(0)
+        mcmc = pyro_hmc_plus.MCMC(NUTS(_sum_with_unknown_noise, engine=engine), num_samples=100, warmup_steps=100,
+                                  num_chains=2, chain_method=chain_method, disable_progbar=True)
+        mcmc.run()
+        return mcmc.get_samples()
+
+    expected = draws()
+    with torch.autograd.detect_anomaly(), warnings.catch_warnings():
+        warnings.simplefilter("error", pyro_hmc_plus.EngineFallbackWarning)
+        got = draws()
+        assert torch.is_anomaly_enabled()
+    for name, values in expected.items():
+        assert torch.equal(got[name], values), name
+
+
 def test_running_again_on_the_same_data_reuses_the_traced_gradient():
     """Pyro's ``MCMC.run`` hands each run a fresh ``detach()`` of the data; keyed by the
     tensors' identity, every run traced and checked the model again."""
