@@ -158,6 +158,7 @@ class GradientEngine:
         self._gradient_key = None
         self.fallback_reason = None
         self._said_not_compiled = False
+        self._said_no_torchscript = False
         self._graph = None
         self._batched_graphs = {}  # batch size -> graph (or None: not vmappable)
         self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
@@ -379,6 +380,8 @@ class GradientEngine:
         except tracing.UntraceableModel as e:
             self._fall_back(f"{e}")
             return self._eager(fn)
+        except tracing.TorchScriptDisabled as e:
+            return self._without_torchscript(fn, e)
         if traced is None:  # the model fails numerically at every example: run it eagerly
             warn_user(
                 "pyro_hmc_plus: the model failed numerically (e.g. a Cholesky factorisation) at every point "
@@ -396,6 +399,19 @@ class GradientEngine:
                     return program
         self._fall_back(problem)
         return self._eager(fn)
+
+    def _without_torchscript(self, fn, reason: Exception):
+        """``fn`` run in Python on the traced gradient graph (:meth:`_reference`), where torch
+        records no TorchScript: correct, and still free of Pyro's and autograd's per-gradient
+        work, but each of the program's operations costs a Python call. Said once."""
+        if not self._said_no_torchscript:
+            self._said_no_torchscript = True
+            warn_user(
+                f"pyro_hmc_plus: {reason}, so the sampler's programs run in Python around the traced gradient "
+                "graph (correct, slower than with TorchScript); unset PYTORCH_JIT for the fast path",
+                EngineFallbackWarning,
+            )
+        return self._reference(fn)
 
     def _eager(self, fn):
         return lambda *xs: fn(self.eager_value_and_grad, *xs)

@@ -637,6 +637,11 @@ def elements_touched(gm: torch.fx.GraphModule) -> int:
     return total
 
 
+class TorchScriptDisabled(RuntimeError):
+    """torch records no TorchScript in this process (``PYTORCH_JIT=0``, a debugging switch
+    under which ``torch.jit.trace`` hands back the function it was given)."""
+
+
 def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:
     """``fn`` (a function of tensors returning a tuple of tensors) run once at
     ``example_inputs`` under ``torch.jit.trace``: a TorchScript program of every aten op it
@@ -648,7 +653,7 @@ def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:
     Python values silently; so every warning by which it says it had to freeze one (a tensor
     turned into a Python number, iterated, or its ``len``) is an error here, raised as
     :class:`UntraceableModel`. Constants made with ``torch.tensor`` from Python numbers are
-    fine.
+    fine. :class:`TorchScriptDisabled` where torch records nothing.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -664,6 +669,8 @@ def to_torchscript(fn, example_inputs) -> torch.jit.ScriptFunction:
             if cause is None:
                 raise
             raise UntraceableModel(f"the program cannot be recorded as one trace: {cause}") from e
+    if not isinstance(traced, torch.jit.ScriptFunction):
+        raise TorchScriptDisabled("torch records no TorchScript in this process (PYTORCH_JIT=0)")
     inline = getattr(torch._C, "_jit_pass_inline", None)
     if inline is not None:  # calls of TorchScript functions (a gradient recorded once), as their operations
         inline(traced.graph)

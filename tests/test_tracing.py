@@ -421,6 +421,46 @@ def test_vectorized_chains_call_a_large_batched_gradient_with_the_same_draws(mon
         assert torch.allclose(separate[name], value, atol=1e-4), name
 
 
+WITHOUT_TORCHSCRIPT_SCRIPT = """
+import pyro, pyro.distributions as dist, torch
+import pyro_hmc_plus
+
+def model(x):
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("data", len(x)):
+        pyro.sample("x", dist.Normal(mu, 1.0), obs=x)
+
+pyro.set_rng_seed(0)
+mcmc = pyro_hmc_plus.MCMC(pyro_hmc_plus.NUTS(model), num_samples=50, warmup_steps=50, num_chains=2,
+                          disable_progbar=True)
+mcmc.run(torch.arange(5.0))
+print(mcmc.get_samples()["mu"].sum().item())
+"""
+
+
+def test_without_torchscript_the_programs_run_in_python_with_the_same_draws():
+    """``PYTORCH_JIT=0``, torch's switch for debugging without TorchScript, makes
+    ``torch.jit.trace`` hand back the function it was given: every run stopped with an
+    ``AttributeError``. The sampler's programs now run in Python around the traced gradient
+    graph, after one ``EngineFallbackWarning``, and draw what TorchScript's programs draw."""
+    import os
+    import subprocess
+    import sys
+
+    env = {name: value for name, value in os.environ.items() if name != "PYTORCH_JIT"}
+
+    def run(**switches):
+        out = subprocess.run([sys.executable, "-c", WITHOUT_TORCHSCRIPT_SCRIPT], env={**env, **switches},
+                             capture_output=True, text=True, check=True)
+        return float(out.stdout), out.stderr
+
+    with_torchscript, said = run()
+    assert "EngineFallbackWarning" not in said
+    without_torchscript, said = run(PYTORCH_JIT="0")
+    assert said.count("EngineFallbackWarning") == 1 and "PYTORCH_JIT=0" in said
+    assert abs(without_torchscript - with_torchscript) < 1e-4
+
+
 def test_engine_programs_run_on_static_runtime_and_draws_reach_users_as_plain_tensors():
     """On the CPU the engine runs its programs with Static Runtime (inference tensors come
     out), yet a hook_fn, the samples and the eager potential get ordinary tensors: a hook may
