@@ -291,9 +291,9 @@ def _linear_predictor(X, y):
 
 def test_data_of_another_dtype_than_the_latent_values_get_an_error_that_says_so():
     """NumPy's float64 data with float32 latent values fail in the model's matrix product
-    (Pyro's kernels too) with torch's "must have the same dtype" (torch 2.8: "expected scalar
-    type Double but found Float"); the error names the data and the two remedies. An error
-    of another kind with such data gets no such hint."""
+    (Pyro's kernels too) with torch's "must have the same dtype" (before torch 2.13, at least
+    in 2.8-2.10: "expected scalar type Double but found Float"); the error names the data and
+    the two remedies. An error of another kind with such data gets no such hint."""
     X, y = torch.ones(3, 2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
     with pytest.raises(RuntimeError, match=r"(?s)(same dtype|scalar type).*not float32.*\(argument 0 is float64, "
                                            r"y is float64\).*dtype=torch.float32.*set_default_dtype"):
