@@ -614,6 +614,9 @@ def _at_every_draw(value: torch.Tensor, shape: tuple, num: int) -> torch.Tensor:
 EBFMI_THRESHOLD = 0.3
 RHAT_THRESHOLD = 1.01
 ESS_PER_CHAIN = 100
+# tail ESS is the smaller ESS of the indicators below the 5% and above the 95% quantile
+# (Vehtari et al. 2021): ArviZ 0.x's default, which ArviZ 1.x asks for (`prob`)
+TAIL_ESS_PROB = 0.05
 
 
 @dataclass
@@ -670,7 +673,7 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     diverging = np.asarray(stats["diverging"]).astype(bool)
     divergences = diverging.sum(1).tolist()
     hits = np.asarray(stats["reached_max_treedepth"]).sum(1).tolist() if "reached_max_treedepth" in stats else [0] * num_chains
-    ebfmi = np.atleast_1d(az.bfmi(idata)).tolist()
+    ebfmi = np.atleast_1d(az.bfmi(np.asarray(stats["energy"]))).tolist()  # (chain, draw) energies, any ArviZ
     problems = []
     if sum(divergences):
         share = ", ".join(f"{d / num_draws:.1%}" for d in divergences)
@@ -693,7 +696,7 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     high_rhat, max_rhat = [], float("nan")
     with warnings.catch_warnings():  # numpy's warnings on constant draws (all rejected): reported as problems
         warnings.simplefilter("ignore")
-        ess_bulk, ess_tail = az.ess(idata, method="bulk"), az.ess(idata, method="tail")
+        ess_bulk, ess_tail = az.ess(idata, method="bulk"), az.ess(idata, method="tail", prob=TAIL_ESS_PROB)
         rhat = az.rhat(idata) if num_chains > 1 else None  # R-hat compares chains (ArviZ logs a shape warning for one)
         if rhat is not None:
             max_rhat = float(np.nanmax([np.nanmax(np.asarray(v)) for v in rhat.data_vars.values()]))
@@ -753,7 +756,7 @@ def summary_table(samples: Dict[str, torch.Tensor], prob: float = 0.9):
                 warnings.simplefilter("ignore")
                 arviz_stats = {
                     "ess_bulk": float(az.ess(draws, method="bulk")),
-                    "ess_tail": float(az.ess(draws, method="tail")),
+                    "ess_tail": float(az.ess(draws, method="tail", prob=TAIL_ESS_PROB)),
                     "r_hat_rank": float(az.rhat(draws)) if draws.shape[0] > 1 else float("nan"),
                     "mcse_mean": float(az.mcse(draws)),
                 }
