@@ -33,7 +33,7 @@ from pyro.infer import config_enumerate
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
-from .potential import element_name, model_trace, unwrapped_distribution
+from .potential import element_name, is_factor, model_trace, unwrapped_distribution
 from ._warn import warn_user
 
 ARVIZ_DIMS = ("chain", "draw")  # the dimensions ArviZ gives every draw
@@ -247,7 +247,7 @@ def to_inference_data(
         model = _starting_at(model, first_draw)
         trace = model_trace(model, args, kwargs)
         all_dims = plate_dims(trace)
-        factors = {name for name, site in trace.nodes.items() if site["type"] == "sample" and _is_factor(site)}
+        factors = {name for name, site in trace.nodes.items() if site["type"] == "sample" and is_factor(site)}
         site_ndims = {name: site["value"].dim() for name, site in trace.nodes.items()
                       if site["type"] == "sample" and name not in factors}
         terms = [name for name, site in trace.nodes.items()
@@ -445,12 +445,6 @@ def _is_deterministic(site) -> bool:
     if site["type"] != "sample" or not site["is_observed"]:
         return False
     return bool(site["infer"].get("_deterministic")) or isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Delta)
-
-
-def _is_factor(site) -> bool:
-    """A ``pyro.factor`` site: an observed ``Unit`` whose value is an empty placeholder and
-    whose log density is the factor."""
-    return isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Unit)
 
 
 def _replay(replay_at, samples, num_chains, num_draws):

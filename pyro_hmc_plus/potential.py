@@ -522,7 +522,7 @@ def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> Lis
     found = []
     for name, site in trace.nodes.items():
         if (site["type"] != "sample" or not site["is_observed"] or name in layout.names or site_is_subsample(site)
-                or isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Unit)):
+                or is_factor(site)):
             continue
         fn, value = site["fn"], site["value"]
         if not torch.is_tensor(value):
@@ -582,6 +582,12 @@ def sites_with_periodic_densities(trace, layout: SiteLayout, skip=()) -> List[st
     2 pi."""
     return [name for name in layout.names if name not in skip and name in trace.nodes
             and isinstance(unwrapped_distribution(trace.nodes[name]["fn"]), PERIODIC_DISTRIBUTIONS)]
+
+
+def is_factor(site) -> bool:
+    """A ``pyro.factor`` site: an observed ``Unit`` whose value is an empty placeholder and
+    whose log density is the factor."""
+    return isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Unit)
 
 
 def unwrapped_distribution(fn):
