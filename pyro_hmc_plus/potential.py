@@ -19,7 +19,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import pyro
 import torch
-from pyro.distributions.transforms import biject_to
+from pyro.distributions import constraints
+from pyro.distributions.transforms import Transform, biject_to
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform, init_to_value
 from pyro.infer.mcmc.util import initialize_model
 from pyro.poutine.util import site_is_subsample
@@ -191,15 +192,14 @@ def from_model(
 ) -> FlatPotential:
     """Build the flat potential of a Pyro model with Pyro's own ``initialize_model``.
 
-    Pyro chooses the transforms (``transforms`` overrides them site by site), enumerates
+    Pyro chooses the transforms (``transforms`` overrides them site by site; a
+    ``MixtureSameFamily`` site, where Pyro's kernels stop, gets its components'), enumerates
     discrete sites where it can, runs the init strategy (retrying until the potential is
     finite; once per chain) and defines ``U``; we only flatten. ``initial_zs`` holds each
     chain's starting point.
     """
-    kwargs = {}
-    if init_strategy is not None:
-        init_strategy = kwargs["init_strategy"] = _inside_supports(init_strategy)
-    user_transforms = transforms
+    user_transforms, user_init_strategy = transforms, init_strategy
+    init_strategy = _checked_init(init_strategy or init_to_uniform, transforms or {})
     try:
         if transforms is not None:
             transforms = _with_default_transforms(model, model_args, model_kwargs or {}, transforms, init_strategy)
@@ -211,12 +211,18 @@ def from_model(
             max_plate_nesting=max_plate_nesting,
             initial_params=initial_params,
             num_chains=num_chains,
-            **kwargs,
+            init_strategy=init_strategy,
         )
     except NotImplementedError as e:
         untransformable = _sites_without_a_bijection(model, model_args, model_kwargs or {}, init_strategy,
                                                      user_transforms)
+        mixtures = _mixture_transforms(untransformable)
+        if mixtures:
+            return from_model(model, model_args, model_kwargs, transforms={**(user_transforms or {}), **mixtures},
+                              max_plate_nesting=max_plate_nesting, init_strategy=user_init_strategy,
+                              initial_params=initial_params, num_chains=num_chains)
         if untransformable:
+            untransformable = {name: _support_name(site) for name, site in untransformable.items()}
             remedies = [remedy.format(names=", ".join(sorted(n for n, s in untransformable.items() if s == support)))
                         for support, remedy in _REPARAMETRISATIONS.items() if support in untransformable.values()]
             raise NotImplementedError(
@@ -279,14 +285,27 @@ def _data_of_another_dtype(model_args, model_kwargs) -> List[str]:
             if torch.is_tensor(a) and a.is_floating_point() and a.dtype != torch.get_default_dtype()]
 
 
-def _inside_supports(init_strategy: Callable) -> Callable:
+def _checked_init(init_strategy: Callable, transforms: Dict[str, Transform]) -> Callable:
     """``init_strategy`` whose values are checked as it gives them: finite and inside their
     sites' supports. A value outside (``init_to_value(values={"sigma": torch.tensor(-1.0)})``,
     or a NaN) otherwise fails later as whatever the model's next line makes of it ("normal
-    expects all elements of std >= 0.0"), without the site's name."""
+    expects all elements of std >= 0.0"), without the site's name.
+
+    A site with a transform in ``transforms`` (to unconstrained space) whose support torch
+    has no transform for (a ``MixtureSameFamily``'s), where Pyro's strategies ask torch for
+    one (``init_to_uniform``, ``init_to_feasible``), starts as ``init_to_uniform`` would
+    start it with the given transform: uniformly in (-2, 2) of its unconstrained space."""
 
     def checked(site):
-        value = init_strategy(site)
+        try:
+            value = init_strategy(site)
+        except NotImplementedError:
+            if site["name"] not in transforms:
+                raise
+            to_unconstrained = transforms[site["name"]]
+            unconstrained = to_unconstrained(site["fn"].sample().detach())
+            value = to_unconstrained.inv(torch.rand_like(unconstrained) * 4.0 - 2.0)
+            value._pyro_custom_init = False  # as Pyro's strategies mark theirs, for poutine.reparam
         if not isinstance(value, torch.Tensor):
             return value  # Pyro's own checks say what is wrong with it
         try:
@@ -339,7 +358,7 @@ def _with_default_transforms(model, model_args, model_kwargs, transforms, init_s
 
 
 # What to sample instead of a support without a bijection, by the support's name (as
-# :func:`_sites_without_a_bijection` gives it); ``{names}`` are those sites' names.
+# :func:`_support_name` gives it); ``{names}`` are those sites' names.
 _REPARAMETRISATIONS = {
     "PositiveDefinite": "for a covariance matrix ({names}), a Cholesky factor of the correlations "
                         "(`LKJCholesky`) scaled by standard deviations, as Stan advises over `Wishart`",
@@ -348,13 +367,21 @@ _REPARAMETRISATIONS = {
 }
 
 
-def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, transforms) -> Dict[str, str]:
-    """The continuous latent sites without a given transform whose support ``biject_to``
-    refuses (``Wishart``'s positive-definite matrices), each to its support's name: Pyro's
-    error names the constraint but not the site. Empty where one run of the model (under
-    the init strategy) fails: the caller keeps Pyro's error."""
+def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, transforms) -> Dict[str, dict]:
+    """The continuous latent sites (name -> site) without a given transform whose support
+    ``biject_to`` refuses (``Wishart``'s positive-definite matrices): Pyro's error names the
+    constraint but not the site. The init strategy's values, or a prior draw where it asks
+    torch for a transform to such a support (``init_to_uniform``). Empty where one run of
+    the model fails: the caller keeps Pyro's error."""
+
+    def init_or_prior_draw(site):
+        try:
+            return init_strategy(site)
+        except NotImplementedError:
+            return site["fn"].sample().detach()
+
     try:
-        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
+        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_or_prior_draw)
     except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
         return {}
     untransformable = {}
@@ -364,8 +391,33 @@ def _sites_without_a_bijection(model, model_args, model_kwargs, init_strategy, t
         try:
             biject_to(site["fn"].support)
         except NotImplementedError:
-            untransformable[name] = type(site["fn"].support).__name__.lstrip("_")
+            untransformable[name] = site
     return untransformable
+
+
+def _support_name(site) -> str:
+    """The name of a site's support's constraint, ``"PositiveDefinite"`` for ``Wishart``."""
+    return type(site["fn"].support).__name__.lstrip("_")
+
+
+def _mixture_transforms(sites: Dict[str, dict]) -> Dict[str, Transform]:
+    """Transforms to unconstrained space for the ``MixtureSameFamily`` sites among ``sites``
+    whose components share one support (torch's ``biject_to`` has none for a mixture's
+    support, Pyro's kernels stop there): its components', where it maps a value of the
+    mixture to a value of its shape (not where components differ in their bounds)."""
+    transforms = {}
+    for name, site in sites.items():
+        support = site["fn"].support
+        if not isinstance(support, constraints.MixtureSameFamilyConstraint):
+            continue
+        try:
+            to_unconstrained = biject_to(support.base_constraint).inv
+            fits = to_unconstrained(site["value"]).shape == site["value"].shape
+        except NotImplementedError:
+            continue
+        if fits:
+            transforms[name] = to_unconstrained
+    return transforms
 
 
 def _continuous_latent_sites(model, model_args, model_kwargs, init_strategy) -> dict:

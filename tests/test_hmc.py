@@ -307,6 +307,23 @@ def test_a_transform_given_for_a_site_torch_cannot_transform_is_used():
     assert_variance(draws.reshape(-1).numpy(), 10.0)
 
 
+def _normal_mixture_prior():
+    """``x`` ~ 0.3 N(-1, 1) + 0.7 N(1, 1): mean 0.4, variance 1 + 1 - 0.4^2 = 1.84."""
+    components = dist.Normal(torch.tensor([-1.0, 1.0]), 1.0)
+    pyro.sample("x", dist.MixtureSameFamily(dist.Categorical(torch.tensor([0.3, 0.7])), components))
+
+
+@pytest.mark.parametrize("transforms", [None, {"x": dist.transforms.AffineTransform(0.0, 0.5)}])
+def test_a_mixture_prior_samples_with_its_components_transform_or_a_given_one(transforms):
+    """torch has no transform for a ``MixtureSameFamily``'s support, where Pyro's kernels
+    stop; the kernel takes its components' (here none: they are real), or the given one, and
+    starts the site in that transform's unconstrained space (``init_to_uniform`` asks torch
+    for a transform, and fails)."""
+    draws = run(NUTS(_normal_mixture_prior, transforms=transforms), 2000, 500).get_samples()["x"].numpy()
+    assert_mean(draws, 0.4)
+    assert_variance(draws, 1.84)
+
+
 def test_potential_fn_with_initial_params_and_transforms():
     def potential_fn(params):
         return 0.5 * ((params["x"] - 1.0) ** 2).sum()

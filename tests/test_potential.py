@@ -264,16 +264,24 @@ def _direction():
     pyro.sample("u", dist.ProjectedNormal(torch.tensor([1.0, 0.5, 0.0])))
 
 
+def _mixture_of_intervals():
+    components = dist.Uniform(torch.tensor([0.0, 2.0]), torch.tensor([1.0, 3.0]))
+    pyro.sample("u", dist.MixtureSameFamily(dist.Categorical(torch.tensor([0.5, 0.5])), components))
+
+
 @pytest.mark.parametrize("model, args, what", [
     (_subsampled, (torch.zeros(5),), "subsampling"),
     (_improper_prior, (), "init_to_value"),
     (_wishart_covariance, (torch.ones(2),), r"Cannot transform .*\{'S': 'PositiveDefinite'\}.*LKJCholesky"),
     (_direction, (), r"Cannot transform .*\{'u': 'Sphere'\}.*ProjectedNormal` direction \(u\).*ProjectedNormalReparam"),
+    (_mixture_of_intervals, (), r"(?s)Cannot transform .*\{'u': 'MixtureSameFamilyConstraint'\}.*Give those sites a transform"),
 ])
 def test_models_hmc_cannot_set_up_get_an_error_that_names_the_remedy(model, args, what):
-    """Pyro refuses all four (subsampling; a prior it cannot sample for a starting value;
-    supports without a bijection, whose site Pyro's error does not name); the error keeps
-    Pyro's message and says what to change, for each support the change that fits it."""
+    """Pyro refuses all five (subsampling; a prior it cannot sample for a starting value;
+    supports without a bijection, whose site Pyro's error does not name, among them a
+    mixture whose components differ in their supports, which the default starting values
+    cannot reach either); the error keeps Pyro's message and says what to change, for each
+    support the change that fits it."""
     with pytest.raises(NotImplementedError, match=what):
         from_model(model, args)
 
