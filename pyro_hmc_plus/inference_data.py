@@ -166,6 +166,13 @@ def plate_dims(trace) -> Dict[str, List[str]]:
     return dims
 
 
+def require_draws(mcmc, what: str) -> None:
+    """Stop with a clear error where ``mcmc`` (Pyro's ``MCMC`` or this package's) has no
+    draws yet: Pyro's methods fail with "'NoneType' object has no attribute 'items'"."""
+    if getattr(mcmc, "_samples", None) is None:
+        raise RuntimeError(f"{what} reads the draws of a run, and this MCMC has not run yet: call mcmc.run(...) first")
+
+
 def to_inference_data(
     mcmc,
     *,
@@ -233,6 +240,7 @@ def to_inference_data(
     with ``save_params`` lacks the other latent sites: the log likelihood and these values
     are left out, with a warning.
     """
+    require_draws(mcmc, "to_inference_data()")
     by_chain = mcmc.get_samples(group_by_chain=True)
     samples = {k: v.detach().cpu().numpy() for k, v in by_chain.items()}
     num_chains, num_draws = next(iter(samples.values())).shape[:2]

@@ -33,7 +33,7 @@ from . import adaptation, chain_batch, rounds
 from ._warn import warn_user
 from .hmc import HMCState
 from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, EngineFallbackWarning, is_numerical_failure, with_autograd
-from .inference_data import chain_diagnostics, diagnose, summary_table, to_inference_data
+from .inference_data import chain_diagnostics, diagnose, require_draws, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
 from .nuts import select
 from .metric import Metric, make_metric
@@ -301,7 +301,17 @@ class MCMC(pyro.infer.MCMC):
             for name in save_params
         }
 
-    # ------------------------------------------------------------------ ArviZ and diagnostics
+    # ------------------------------------------------------------------ draws, ArviZ and diagnostics
+    def get_samples(self, num_samples=None, group_by_chain=False):
+        """Pyro's :meth:`pyro.infer.MCMC.get_samples`, with a clear error before a run."""
+        require_draws(self, "get_samples()")
+        return super().get_samples(num_samples, group_by_chain)
+
+    def diagnostics(self):
+        """Pyro's :meth:`pyro.infer.MCMC.diagnostics`, with a clear error before a run."""
+        require_draws(self, "diagnostics()")
+        return super().diagnostics()
+
     def to_inference_data(self, **kwargs):
         """ArviZ data for this run: :func:`pyro_hmc_plus.to_inference_data`."""
         return to_inference_data(self, **kwargs)
@@ -310,6 +320,7 @@ class MCMC(pyro.infer.MCMC):
         """Pyro's summary table (mean, std, median, credible interval, Pyro's n_eff and
         r_hat) with ArviZ's rank-normalised diagnostics beside it (bulk and tail ESS,
         split R-hat, MCSE of the mean), then the number of divergences."""
+        require_draws(self, "summary()")
         print(summary_table(self._samples, prob).to_string(float_format=lambda x: f"{x:.3f}"))
         if self._diagnostics and self._diagnostics[0] and "divergences" in self._diagnostics[0]:
             print(f"\nNumber of divergences: {sum(len(d['divergences']) for d in self._diagnostics)}")

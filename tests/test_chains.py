@@ -621,6 +621,16 @@ def test_invalid_arguments():
         run(NUTS(gauss2d), num_chains=2, initial_params={"q": torch.zeros(2, 3)})
 
 
+def test_reading_draws_before_a_run_says_to_run_first():
+    """Pyro's MCMC fails with "'NoneType' object has no attribute 'items'" (or a TypeError
+    from ``summary()``); the export takes Pyro's MCMC too."""
+    mcmc = MCMC(NUTS(gauss2d), 10)
+    for read in (mcmc.get_samples, mcmc.diagnostics, mcmc.summary, mcmc.to_inference_data,
+                 lambda: to_inference_data(pyro.infer.MCMC(NUTS(gauss2d), 10))):
+        with pytest.raises(RuntimeError, match=r"has not run yet: call mcmc.run\(...\) first"):
+            read()
+
+
 def test_progress_bar_shows_phase_divergences_and_step_sizes(capsys):
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(gauss2d), num_samples=40, warmup_steps=40, num_chains=2, disable_progbar=False,
