@@ -122,6 +122,23 @@ def adaptation_schedule(warmup_steps: int) -> List[Window]:
     return windows
 
 
+def metric_window_draws(warmup_steps: int) -> int:
+    """The draws of the last slow window of :func:`adaptation_schedule`, which estimate the
+    mass matrix that sampling uses: 0 where warmup has no slow window."""
+    slow = adaptation_schedule(warmup_steps)[1:-1]
+    return slow[-1].end - slow[-1].start + 1 if slow else 0
+
+
+def warmup_steps_for_metric_draws(draws: int, at_least: int) -> int:
+    """The fewest warmup steps from ``at_least`` on whose last slow window has at least
+    ``draws`` draws. Not every longer warmup has as many: the last window takes the
+    schedule's remainder (300 steps give it 100 draws, 299 give it 149)."""
+    warmup_steps = max(at_least, 20)
+    while metric_window_draws(warmup_steps) < draws:
+        warmup_steps += 1
+    return warmup_steps
+
+
 # ---------------------------------------------------------------------------- initial step size
 DIRECTION_THRESHOLD = -0.2231435513142097  # log(0.8), as Pyro
 

@@ -34,7 +34,7 @@ from ._warn import warn_user
 from .hmc import HMCState
 from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, EngineFallbackWarning, is_numerical_failure, with_autograd
 from .inference_data import chain_diagnostics, diagnose, require_draws, summary_table, to_inference_data
-from .kernels import HMC, _flatten, _unflatten, one_step_energy_change
+from .kernels import HMC, _flatten, _unflatten, _warn_of_a_singular_dense_metric, one_step_energy_change
 from .nuts import select
 from .metric import Metric, make_metric
 
@@ -423,6 +423,7 @@ class _VectorizedRun:
         self.layout, self.D = flat.layout, flat.dim
         k._state = HMCState(*(x[0] for x in state))  # the kernel's single-chain view (validation points)
         self.block_mask = k._mass_structure()
+        _warn_of_a_singular_dense_metric(k, self.block_mask)
         self.dense = self.block_mask is not None
         self.metric = k._starting_metric(self.block_mask, batch_shape=(self.C,))
         adapting = (k.adapt_step_size or k.adapt_mass_matrix) and self.W > 0

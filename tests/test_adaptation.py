@@ -56,3 +56,17 @@ def test_find_reasonable_step_size_brackets_acceptance():
     eps = adaptation.find_reasonable_step_size(lambda e: e**2 * 2.0, 1.0, 1e-10, 1e10)
     # coming down from a too-large step: the first step size whose acceptance exceeds 0.8
     assert math.exp(-2.0 * (2 * eps) ** 2) < 0.8 < math.exp(-2.0 * eps**2)
+
+
+@pytest.mark.parametrize("warmup, draws", [(10, 0), (20, 15), (150, 25), (187, 62), (299, 149), (300, 100), (1000, 500)])
+def test_metric_window_draws_are_the_last_slow_windows(warmup, draws):
+    """The last slow window takes the schedule's remainder, so a longer warmup may give it
+    fewer draws (299 steps: 149, 300: 100)."""
+    assert adaptation.metric_window_draws(warmup) == draws
+
+
+def test_warmup_steps_for_metric_draws_is_the_fewest_from_the_given_ones():
+    for draws, at_least in [(62, 150), (200, 300), (400, 300), (10, 1000)]:
+        found = adaptation.warmup_steps_for_metric_draws(draws, at_least)
+        assert found >= at_least and adaptation.metric_window_draws(found) >= draws
+        assert all(adaptation.metric_window_draws(w) < draws for w in range(at_least, found))

@@ -5,6 +5,7 @@ against exact posteriors and against sequential chains (MCSE tolerances, fixed s
 import functools
 import inspect
 import math
+import re
 import time
 import warnings
 
@@ -629,6 +630,33 @@ def test_reading_draws_before_a_run_says_to_run_first():
                  lambda: to_inference_data(pyro.infer.MCMC(NUTS(gauss2d), 10))):
         with pytest.raises(RuntimeError, match=r"has not run yet: call mcmc.run\(...\) first"):
             read()
+
+
+def _thirty_one_coordinates():
+    pyro.sample("x", dist.Normal(0.0, 1.0).expand([30]).to_event(1))
+    pyro.sample("y", dist.Normal(0.0, 1.0))
+
+
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential"])
+def test_a_dense_metric_with_fewer_warmup_draws_than_dimensions_is_warned_of_before_the_run(chain_method):
+    """150 warmup steps estimate the mass matrix from a last window of 25 draws: singular for
+    31 coordinates (with 100 dimensions and 100 draws, NUTS took 412 steps a draw against 24
+    with 200 draws). 200 steps give 50 draws; a diagonal block, or no adaptation of the mass
+    matrix, needs none. The warning names the warmup that gives twice the dimension."""
+
+    def warnings_of(warmup_steps, **kernel_args):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            MCMC(NUTS(_thirty_one_coordinates, **kernel_args), 5, warmup_steps, num_chains=2, disable_progbar=True,
+                 chain_method=chain_method, warn_on_problems=False).run()
+        return [str(w.message) for w in caught if issubclass(w.category, SamplingWarning)]
+
+    (message, *_) = warnings_of(150, full_mass=True)
+    assert re.search(r"dense block of 31 coordinates is estimated from the 25 draws .*warmup_steps=150\).*"
+                     r"Use warmup_steps=187 \(its last window has at least 62 draws", message)
+    assert warnings_of(200, full_mass=True) == []
+    assert warnings_of(150, full_mass=[("y",)]) == []
+    assert warnings_of(150, full_mass=True, adapt_mass_matrix=False) == []
 
 
 def test_progress_bar_shows_phase_divergences_and_step_sizes(capsys):
