@@ -292,6 +292,10 @@ class HMC(MCMCKernel):
         for a reasonable one starts at setup).
     :param float trajectory_length: ``step_size * num_steps``; default ``2 * pi``. The number of
         steps is ``max(1, int(trajectory_length / step_size))``, so it follows the adapted step size.
+        Where the adapted mass matrix fits a near-Gaussian posterior, ``2 * pi`` is about one
+        whole turn of it, in Pyro's HMC as here: each trajectory ends near its start and the
+        draws barely move (a 1-D normal: 7 steps of 0.84, 6.08 rad, a variance of 0.005 for
+        0.1). NUTS chooses the length itself; with HMC, a shorter one (``pi / 2``) avoids it.
     :param int num_steps: leapfrog steps per transition; sets ``trajectory_length`` if given.
     :param bool adapt_step_size: search a reasonable step size at setup (also without warmup, as
         Pyro does), then dual averaging to ``target_accept_prob`` during warmup.

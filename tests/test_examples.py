@@ -42,7 +42,7 @@ def test_eight_schools_example_runs_and_saves_figures(tmp_path):
         ("missing_data.py", "of the true missing inputs inside their 90% intervals"),
         ("count_regression.py", "LOO prefers the negative binomial regression"),
         ("hidden_markov.py", "of the days' regimes recovered"),
-        ("sparse_regression.py", "regularized horseshoe: 0 divergences"),
+        ("sparse_regression.py", "inputs whose 90% intervals exclude 0: [0, 1, 2] (true: [0, 1, 2])"),
         ("ordinal_regression.py", "6 of 6 true coefficients and cut points inside the 90% intervals"),
         ("survival.py", "4 of 4 true parameters inside the 90% intervals"),
         ("item_response.py", "share of correct answers is outside the replicated 90% range: 0 of 20"),
