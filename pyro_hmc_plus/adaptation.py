@@ -122,10 +122,16 @@ def adaptation_schedule(warmup_steps: int) -> List[Window]:
     return windows
 
 
+def metric_windows(windows: List[Window]) -> List[Window]:
+    """The slow windows of a schedule (:func:`adaptation_schedule`), which collect draws
+    for the metric: all but the first and the last."""
+    return windows[1:-1]
+
+
 def metric_window_draws(warmup_steps: int) -> int:
     """The draws of the last slow window of :func:`adaptation_schedule`, which estimate the
     mass matrix that sampling uses: 0 where warmup has no slow window."""
-    slow = adaptation_schedule(warmup_steps)[1:-1]
+    slow = metric_windows(adaptation_schedule(warmup_steps))
     return slow[-1].end - slow[-1].start + 1 if slow else 0
 
 

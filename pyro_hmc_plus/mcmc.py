@@ -428,8 +428,7 @@ class _VectorizedRun:
         self.metric = k._starting_metric(self.block_mask, batch_shape=(self.C,))
         adapting = (k.adapt_step_size or k.adapt_mass_matrix) and self.W > 0
         self.windows = adaptation.adaptation_schedule(self.W) if adapting else []
-        slow = self.windows[1:-1] if k.adapt_mass_matrix else []
-        self.metric_updates = list(slow)
+        self.metric_updates = adaptation.metric_windows(self.windows) if k.adapt_mass_matrix else []
         step = torch.full((self.C,), k._init_step_size, dtype=flat.dtype, device=flat.device)
         if k.adapt_step_size:  # as the kernel: searched even without warmup
             step = torch.stack([torch.tensor(self._reasonable_step_size(state, c, k._init_step_size)) for c in range(self.C)])
