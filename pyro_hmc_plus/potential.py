@@ -25,6 +25,8 @@ from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform, 
 from pyro.infer.mcmc.util import initialize_model
 from pyro.poutine.util import site_is_subsample
 
+from .tracing import broadcast_shape
+
 
 PROBES = 2  # random points (besides the initial one) where the gradient and the model are checked
 
@@ -579,10 +581,9 @@ def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> Lis
         fn, value = site["fn"], site["value"]
         if not torch.is_tensor(value):
             continue
-        try:
-            data_shape, batch_shape = value.shape[:value.dim() - fn.event_dim], torch.Size(fn.batch_shape)
-            scored = torch.broadcast_shapes(data_shape, batch_shape)
-        except Exception:  # noqa: BLE001 - shapes that do not broadcast: torch's own error says so, at the first log density
+        data_shape, batch_shape = value.shape[:value.dim() - fn.event_dim], torch.Size(fn.batch_shape)
+        scored = broadcast_shape(data_shape, batch_shape)
+        if scored is None:  # shapes that do not broadcast: torch's own error says so, at the first log density
             continue
         padded = (1,) * (len(scored) - len(data_shape)) + tuple(data_shape)
         repeated_along = {d for d in range(-len(scored), 0) if scored[d] > padded[d]}  # negative dims

@@ -204,7 +204,7 @@ class _AtenRecorder(TorchDispatchMode):
         if from_inputs:
             self._refuse_escapes(func, args)
         if func is aten.log_sigmoid_backward.default:
-            shape = _broadcast_shape(args[0].shape, args[1].shape)
+            shape = broadcast_shape(args[0].shape, args[1].shape)
             if args[0].shape != shape:
                 args = (self.__torch_dispatch__(aten.expand.default, types, (args[0], list(shape))),) + args[1:]
         node_args, node_kwargs = _map_tensors(self.node_for, (args, kwargs))
@@ -1691,7 +1691,7 @@ def _scaled_product(gm, node, products):
         scale = scale * next(f for f in factors if f is not None)
         node = rest
     matrix, source = products[node]
-    if _broadcast_shape(scale.shape, matrix.shape) != matrix.shape:
+    if broadcast_shape(scale.shape, matrix.shape) != matrix.shape:
         return None
     return scale * matrix, source
 
@@ -2049,7 +2049,7 @@ def cost(graph: torch.fx.Graph) -> int:
                for node in graph.nodes if node.op == "call_function")
 
 
-def _broadcast_shape(a: Sequence[int], b: Sequence[int]) -> Optional[torch.Size]:
+def broadcast_shape(a: Sequence[int], b: Sequence[int]) -> Optional[torch.Size]:
     """The shape that shapes ``a`` and ``b`` broadcast to, ``None`` where they do not:
     ``torch.broadcast_shapes`` without the import of sympy that its first call makes (through
     ``torch.fx.experimental.symbolic_shapes``, ~0.5 s of a run that has no other use for it)."""

@@ -1176,8 +1176,10 @@ from pyro.infer import MCMC
 from pyro_hmc_plus import NUTS, MCMC as VectorizedMCMC
 
 def model():
-    pyro.sample("x", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+    x = pyro.sample("x", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
     pyro.sample("w", dist.Dirichlet(torch.ones(3)))  # its gradient has a log_sigmoid_backward
+    with pyro.plate("data", 4):  # observed data: the setup's check of their shapes
+        pyro.sample("y", dist.Normal(x.sum(), 1.0), obs=torch.zeros(4))
 
 MCMC(NUTS(model), num_samples=5, warmup_steps=5, disable_progbar=True).run()
 VectorizedMCMC(NUTS(model), num_samples=5, warmup_steps=5, num_chains=2, disable_progbar=True,
@@ -1192,7 +1194,8 @@ def test_the_default_engine_never_imports_dynamo_or_sympy():
     and ~0.5 s of every fresh process, a third and a quarter of a short NUTS run (eight
     schools). Fails if a torch upgrade brings one back (see tracing._AtenRecorder), or if
     the package calls a torch function that imports them (``torch.unravel_index`` and
-    ``torch.broadcast_shapes`` did)."""
+    ``torch.broadcast_shapes`` did, the latter twice: the second time in the setup's check of
+    observed data, which this model's ``y`` now reaches)."""
     import subprocess
     import sys
 
@@ -1203,13 +1206,13 @@ def test_the_default_engine_never_imports_dynamo_or_sympy():
 @pytest.mark.parametrize("a, b", [((3,), (3,)), ((2, 1), (1, 4)), ((), (5,)), ((4, 1, 3), (2, 1)), ((0,), (1,)),
                                   ((1,), (0,)), ((3,), (4,)), ((2, 3), (3, 2))])
 def test_broadcast_shape_is_torchs(a, b):
-    """The tracer's ``_broadcast_shape`` (``torch.broadcast_shapes`` without its import of
+    """``tracing.broadcast_shape`` (``torch.broadcast_shapes`` without its import of
     sympy) gives torch's shape, and ``None`` where torch refuses."""
     try:
         expected = torch.broadcast_shapes(a, b)
     except RuntimeError:
         expected = None
-    assert tracing._broadcast_shape(a, b) == expected
+    assert tracing.broadcast_shape(a, b) == expected
 
 
 def _in_place_potential(p):
