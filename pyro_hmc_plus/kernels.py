@@ -677,6 +677,7 @@ class HMC(MCMCKernel):
             if (self.adapt_step_size or self.adapt_mass_matrix)
             else []
         )
+        self._metric_windows = adaptation.metric_windows(self._schedule) if self.adapt_mass_matrix else []
         self._window = 0
         self._welford = adaptation.welford_init(flat.initial_z, dense) if self.adapt_mass_matrix else None
         self._set_step_size(self._init_step_size)
@@ -704,7 +705,7 @@ class HMC(MCMCKernel):
             return
         window = self._schedule[self._window]
         last = len(self._schedule) - 1
-        slow = self.adapt_mass_matrix and 0 < self._window < last
+        slow = window in self._metric_windows
         if self.adapt_step_size:
             self._dual_avg = adaptation.dual_averaging_update(
                 self._dual_avg, accept_prob, self.target_accept_prob
