@@ -396,6 +396,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
             gm = fewest(vectorized_first, finished(copied(gm), (vectorize_alike_ops,)))
     if _has_scalars_to_take_out(gm.graph):  # (copying and finishing a 1,800-op graph takes ~0.3 s)
         gm = fewest(gm, finished(copied(gm), (pull_scalars_out_of_sums, gather_scalar_factors)))
+    lay_out_matrices_for_products(gm, recompile=False)
     copy_written_constants(gm, recompile=False)
     gm.graph.lint()
     gm = torch.fx.GraphModule(gm, gm.graph)
@@ -1784,6 +1785,44 @@ def fold_constant_solves(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         node.replace_all_uses_with(product)
         graph.erase_node(node)
         inverse_of[product] = (matrix, x)
+    _eliminate_dead_code(graph)
+
+
+@_graph_pass
+def lay_out_matrices_for_products(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Lay out each constant matrix of a matrix-vector product (``mv``) along its longer
+    dimension: a tall ``(N, D)`` matrix column by column, a wide one row by row. The values
+    are the same; only the product's summation order changes, so its result may differ in
+    the last bits.
+
+    Why: a regression's design matrix, ``N`` rows of ``D`` predictors stored row by row, is
+    the product ``X @ w`` of every gradient, and BLAS runs a row-major ``mv`` as ``N`` dot
+    products of length ``D``, short ones when ``D`` is small, while column by column it is
+    ``D`` long ``axpy`` sweeps. On this package's 2-core machine (MKL, one thread), float32:
+    5,000 x 25 21 -> 6 µs, 50,000 x 5 114 -> 16 µs, 1,000 x 10 3.1 -> 1.3 µs; float64
+    1.0-1.4x faster; never slower beyond noise. The gradient's transposed product
+    ``X^T r`` reads a wide matrix, already row by row (:func:`fold_constants` makes it
+    contiguous). Square matrices, broadcast ones, constants written in place, and graphs that
+    read layouts (:func:`_reads_layouts`) are left alone."""
+    graph = gm.graph
+    if _reads_layouts(graph):
+        return
+    written = _written_storage(graph.nodes)
+    laid_out = {}  # constant node -> its copy laid out along the longer dimension
+    for node in list(graph.nodes):
+        if node.target is not aten.mv.default or node.args[0] in written:
+            continue
+        matrix = _constant(gm, node.args[0])
+        if matrix is None or matrix.dim() != 2 or matrix.shape[0] == matrix.shape[1] or 0 in matrix.stride():
+            continue  # (a broadcast matrix, laid out, would take memory for every element)
+        tall = matrix.shape[0] > matrix.shape[1]
+        if (matrix.t() if tall else matrix).is_contiguous():
+            continue  # already along its longer dimension
+        if node.args[0] not in laid_out:
+            with graph.inserting_before(node):
+                copy = matrix.t().contiguous().t() if tall else matrix.contiguous()
+                laid_out[node.args[0]] = _constant_node(gm, "_laid_out_", copy.detach())
+        node.replace_input_with(node.args[0], laid_out[node.args[0]])
     _eliminate_dead_code(graph)
 
 

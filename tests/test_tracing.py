@@ -234,28 +234,46 @@ def test_constant_cholesky_is_folded_away():
     assert not any("cholesky" in t for t in targets)
 
 
-def test_folded_transposed_data_is_a_contiguous_constant():
-    """A regression's gradient multiplies by the transposed design matrix, which autograd
-    writes as a view of it: folded, the constant is laid out in its own row order (a
-    5,000 x 25 product ~1.5x faster), with the same gradient."""
+def test_matrices_of_products_are_laid_out_along_their_longer_dimension():
+    """A regression's gradient multiplies by the design matrix ``X`` (tall) and by its
+    transpose (wide, which autograd writes as a view of ``X``): each constant is laid out
+    along its longer dimension, ``X`` column by column and its transpose row by row (a
+    5,000 x 25 product 21 -> 6 µs and 12 -> 9 µs in float32), with the same gradient. A wide
+    matrix given column by column is laid out row by row."""
 
     def regression(x, y):
         w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
         with pyro.plate("data", len(y)):
             pyro.sample("y", dist.Bernoulli(logits=x @ w), obs=y)
 
+    def matrices(engine):
+        graph = engine._graph
+        return [getattr(graph, n.args[0].target) for n in graph.graph.nodes
+                if n.target is torch.ops.aten.mv.default and n.args[0].op == "get_attr"]
+
     x = torch.randn(500, 5)
     y = torch.bernoulli(torch.sigmoid(x @ torch.ones(5)))
     flat = from_model(regression, (x, y))
     engine = GradientEngine(flat)
-    graph = engine._graph
-    transposed = [getattr(graph, n.target) for n in graph.graph.nodes
-                  if n.op == "get_attr" and getattr(graph, n.target).shape == (5, 500)]
-    assert transposed and all(t.is_contiguous() for t in transposed)
+    assert sorted(tuple(m.shape) for m in matrices(engine)) == [(5, 500), (500, 5)]
+    for m in matrices(engine):
+        assert (m.t() if m.shape[0] > m.shape[1] else m).is_contiguous()
     z = torch.randn(5)
     for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
 
+    def wide(x):  # 3 observations of 40 predictors, given column by column
+        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        pyro.sample("y", dist.Normal(x @ w, 1.0).to_event(1), obs=torch.ones(3))
+
+    flat = from_model(wide, (torch.randn(40, 3).t(),))
+    engine = GradientEngine(flat)
+    assert sorted(tuple(m.shape) for m in matrices(engine)) == [(3, 40), (40, 3)]
+    for m in matrices(engine):
+        assert (m.t() if m.shape[0] > m.shape[1] else m).is_contiguous()
+    z = torch.randn(40)
+    for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_folding_keeps_layouts_where_the_graph_reads_them():
