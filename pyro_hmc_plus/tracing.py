@@ -996,15 +996,37 @@ def _is_permutation_of_permutation(node) -> bool:
             and _permutation(node) is not None and _permutation(src) is not None)
 
 
-def _is_transposed_product(node, written) -> bool:
-    """Whether ``node`` is a matrix product read only through 2-D transposes, one of which
-    has a reader other than a permutation (a transpose back cancels it:
-    ``(x @ w.t()).t().t()``)."""
+def _transposed_reads(node, written) -> Optional[list]:
+    """Where ``node``, a matrix product, is read only through 2-D transposes, directly or
+    after elementwise ops of it alone (``t(exp(X @ W))``; numbers and one-element tensors
+    besides), one of which has a reader other than a permutation (a transpose back cancels
+    it: ``(x @ w.t()).t().t()``): those elementwise ops, in graph order, and transposes;
+    else ``None``."""
+    if node.target is not aten.mm.default or node in written or not all(torch.is_tensor(_val(x)) for x in node.args):
+        return None
+    reads, pending, useful = [], [node], False
+    while pending:
+        for user in pending.pop().users:
+            if user.target in _PERMUTES and _permutation(user) == [1, 0] and not _written_through(user):
+                useful = useful or any(r.target not in _PERMUTES for r in user.users)
+            elif not (_is_pointwise(user) and user not in written and _elementwise_of_one(user)):
+                return None
+            else:
+                pending.append(user)
+            reads.append(user)
+    return sorted(set(reads), key=list(node.graph.nodes).index) if useful else None
+
+
+def _elementwise_of_one(node) -> bool:
+    """Whether ``node`` (elementwise) reads one tensor of its own shape, and otherwise
+    numbers and one-element tensors only, so that it commutes with a transpose."""
+    out = _val(node)
+    inputs = [a for a in list(node.args) + list(node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    full = [a for a in inputs if torch.is_tensor(_val(a)) and _val(a).numel() > 1]
     return (
-        node.target is aten.mm.default and node not in written and bool(node.users)
-        and all(torch.is_tensor(_val(x)) for x in node.args)
-        and all(u.target in _PERMUTES and _permutation(u) == [1, 0] and not _written_through(u) for u in node.users)
-        and any(r.target not in _PERMUTES for u in node.users for r in u.users)
+        torch.is_tensor(out) and len(full) == 1 and _val(full[0]).shape == out.shape
+        and all(a in full or (torch.is_tensor(_val(a)) and _val(a).numel() == 1) for a in inputs)
+        and not any(isinstance(a, (list, tuple)) for a in node.args)
     )
 
 
@@ -1079,20 +1101,30 @@ def simplify(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 and _keeps_element_order(node):
             # a permutation of unit dimensions is a reshape (collapsed into the one below)
             node.target, node.args, node.kwargs = aten.reshape.default, (node.args[0], list(_val(node).shape)), {}
-        if not layout_read and _is_transposed_product(node, written):
-            # t(a @ b) -> t(b) @ t(a): vmap's matrix-vector products over a batch of points
-            # (`X @ w` for every chain is `t(X @ t(W))`), the product written in the order
-            # the batch is read (the logistic regression's for 4 chains: 32 -> 10 µs, and
-            # the elementwise ops on its (4, 5,000) result ~3x faster); the passes after
-            # this one cancel or fold the transposes of its operands
+        reads = None if layout_read else _transposed_reads(node, written)
+        if reads:
+            # t(a @ b) -> t(b) @ t(a), and t(f(a @ b)) -> f(t(b) @ t(a)) for elementwise f:
+            # vmap's matrix-vector products over a batch of points (`X @ w` for every chain
+            # is `t(X @ t(W))`), the product written in the order the batch is read (the
+            # logistic regression's for 4 chains: 32 -> 10 µs, and the elementwise ops on
+            # its (4, 5,000) result ~3x faster); the passes after this one cancel or fold
+            # the transposes of its operands
             a, b = node.args
             with graph.inserting_before(node):
                 ta, tb = (graph.call_function(aten.permute.default, (x, [1, 0])) for x in (a, b))
                 product = graph.call_function(aten.mm.default, (tb, ta))
             ta.meta["val"], tb.meta["val"] = _val(a).t(), _val(b).t()
             product.meta["val"] = _val(node).t().contiguous()
-            for transpose in list(node.users):
-                transpose.replace_all_uses_with(product)  # read by nothing now: dead code
+            transposed = {node: product}
+            for read in reads:
+                source = next(x for x in read.all_input_nodes if x in transposed)
+                if read.target in _PERMUTES:
+                    read.replace_all_uses_with(transposed[source])  # read by nothing now: dead code
+                    continue
+                with graph.inserting_before(read):
+                    args, kwargs = torch.fx.node.map_arg((read.args, read.kwargs), lambda x: transposed.get(x, x))
+                    transposed[read] = graph.call_function(read.target, args, kwargs)
+                transposed[read].meta["val"] = _val(read).t().contiguous()
             continue
         if node.target in _PERMUTES and _is_permutation_of_permutation(node):
             # permute(permute(x)) -> one permute of x, or x itself where they cancel (the

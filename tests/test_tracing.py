@@ -278,37 +278,45 @@ def test_matrices_of_products_are_laid_out_along_their_longer_dimension():
 
 def test_a_batch_of_points_multiplies_the_design_matrix_in_batch_order():
     """``vmap`` of a regression's ``X @ w`` over a batch of points (the vectorized chains'
-    gradient) is ``t(X @ t(W))``: written ``W @ t(X)``, the product comes out in the order
-    the batch is read, and no transpose is left in the batched gradient (4 chains of the
-    logistic regression benchmark: 310 -> 148 µs a call), with the same values."""
+    gradient) is ``t(X @ t(W))``, or ``t(exp(X @ t(W)))`` where an elementwise op reads the
+    product first: written ``W @ t(X)``, the product comes out in the order the batch is
+    read, and no transpose is left in the batched gradient (4 chains of the logistic
+    regression benchmark: 310 -> 148 µs a call), with the same values."""
 
-    def regression(x, y):
+    def logistic(x, y):
         w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
         b = pyro.sample("b", dist.Normal(0.0, 1.0))
         with pyro.plate("data", len(y)):
             pyro.sample("y", dist.Bernoulli(logits=x @ w + b), obs=y)
 
-    x = torch.randn(500, 5)
-    y = torch.bernoulli(torch.sigmoid(x @ torch.ones(5)))
-    flat = from_model(regression, (x, y))
-    engine = GradientEngine(flat)
-    graph = engine._batched_graph(4)
-    targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
-    assert targets.count(torch.ops.aten.mm.default) == 2
-    assert not {torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int} & set(targets)
-    z = torch.randn(4, 6)
-    for a, b in zip(engine.value_and_grad(z), flat.batched_value_and_grad(z)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+    def poisson(x, y):  # exp reads the product before vmap's transpose
+        w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
+        with pyro.plate("data", len(y)):
+            pyro.sample("y", dist.Poisson((x @ w).exp()), obs=y)
 
-    def fn(w, x):  # a transposed product read by an elementwise op, and one transposed back
-        return (x @ w.t()).t().exp(), (x @ w.t()).t().t() * 2
+    x = torch.randn(500, 5)
+    for model, y, dim in ((logistic, torch.bernoulli(torch.sigmoid(x @ torch.ones(5))), 6),
+                          (poisson, torch.poisson(torch.exp(x @ torch.full((5,), 0.3))), 5)):
+        flat = from_model(model, (x, y))
+        engine = GradientEngine(flat)
+        graph = engine._batched_graph(4)
+        targets = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+        assert targets.count(torch.ops.aten.mm.default) == 2
+        assert not {torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int} & set(targets)
+        z = 0.3 * torch.randn(4, dim)
+        for a, b in zip(engine.value_and_grad(z), flat.batched_value_and_grad(z)):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+    def fn(w, x):  # transposed products read by elementwise ops, and one transposed back
+        return (x @ w.t()).t().exp(), (x @ w.t()).sigmoid().t() * 2, (x @ w.t()).t().t() * 2
 
     w, x = torch.randn(5, 6), torch.randn(10, 6)
     gm = tracing.trace(fn, (w, x), check_escapes=False)
     for ours, eager in zip(gm(w, x), fn(w, x)):
         assert ours.shape == eager.shape and torch.allclose(ours, eager, rtol=1e-6)
-    (exp,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.exp.default]
-    assert exp.args[0].target is torch.ops.aten.mm.default  # computed transposed, not transposed after
+    for op in (torch.ops.aten.exp.default, torch.ops.aten.sigmoid.default):
+        (node,) = [n for n in gm.graph.nodes if n.target is op]
+        assert node.args[0].target is torch.ops.aten.mm.default  # computed transposed, not transposed after
 
 
 def test_folding_keeps_layouts_where_the_graph_reads_them():
