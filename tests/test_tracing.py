@@ -251,29 +251,21 @@ def test_matrices_of_products_are_laid_out_along_their_longer_dimension():
         return [getattr(graph, n.args[0].target) for n in graph.graph.nodes
                 if n.target is torch.ops.aten.mv.default and n.args[0].op == "get_attr"]
 
-    x = torch.randn(500, 5)
-    y = torch.bernoulli(torch.sigmoid(x @ torch.ones(5)))
-    flat = from_model(regression, (x, y))
-    engine = GradientEngine(flat)
-    assert sorted(tuple(m.shape) for m in matrices(engine)) == [(5, 500), (500, 5)]
-    for m in matrices(engine):
-        assert (m.t() if m.shape[0] > m.shape[1] else m).is_contiguous()
-    z = torch.randn(5)
-    for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
-
     def wide(x):  # 3 observations of 40 predictors, given column by column
         w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
         pyro.sample("y", dist.Normal(x @ w, 1.0).to_event(1), obs=torch.ones(3))
 
-    flat = from_model(wide, (torch.randn(40, 3).t(),))
-    engine = GradientEngine(flat)
-    assert sorted(tuple(m.shape) for m in matrices(engine)) == [(3, 40), (40, 3)]
-    for m in matrices(engine):
-        assert (m.t() if m.shape[0] > m.shape[1] else m).is_contiguous()
-    z = torch.randn(40)
-    for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+    x = torch.randn(500, 5)
+    for model, args, shapes in ((regression, (x, torch.bernoulli(torch.sigmoid(x @ torch.ones(5)))), [(5, 500), (500, 5)]),
+                                (wide, (torch.randn(40, 3).t(),), [(3, 40), (40, 3)])):
+        flat = from_model(model, args)
+        engine = GradientEngine(flat)
+        assert sorted(tuple(m.shape) for m in matrices(engine)) == shapes
+        for m in matrices(engine):
+            assert (m.t() if m.shape[0] > m.shape[1] else m).is_contiguous()
+        z = torch.randn_like(flat.initial_z)
+        for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_a_batch_of_points_multiplies_the_design_matrix_in_batch_order():
