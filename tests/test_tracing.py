@@ -238,8 +238,8 @@ def test_matrices_of_products_are_laid_out_along_their_longer_dimension():
     """A regression's gradient multiplies by the design matrix ``X`` (tall) and by its
     transpose (wide, which autograd writes as a view of ``X``): each constant is laid out
     along its longer dimension, ``X`` column by column and its transpose row by row (a
-    5,000 x 25 product 21 -> 6 µs and 12 -> 9 µs in float32), with the same gradient. A wide
-    matrix given column by column is laid out row by row."""
+    5,000 x 25 product 21 -> 6 µs and 12 -> 9 µs in float32), with the same gradient; the two
+    share one copy of the data. A wide matrix given column by column is laid out row by row."""
 
     def regression(x, y):
         w = pyro.sample("w", dist.Normal(torch.zeros(x.shape[1]), 1.0).to_event(1))
@@ -263,6 +263,8 @@ def test_matrices_of_products_are_laid_out_along_their_longer_dimension():
         assert sorted(tuple(m.shape) for m in matrices(engine)) == shapes
         for m in matrices(engine):
             assert (m.t() if m.shape[0] > m.shape[1] else m).is_contiguous()
+        tall, wide = sorted(matrices(engine), key=lambda m: -m.shape[0])
+        assert tall.untyped_storage().data_ptr() == wide.untyped_storage().data_ptr()  # one copy: X^T's
         z = torch.randn_like(flat.initial_z)
         for a, b in zip(engine.value_and_grad(z), flat.value_and_grad(z)):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-4)
