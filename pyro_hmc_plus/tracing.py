@@ -1563,7 +1563,8 @@ def _is_pointwise(node) -> bool:
 
 @_graph_pass
 def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Compute elementwise ops on values before they are broadcast, not after.
+    """Compute elementwise ops on values before they are broadcast, not after (and a
+    ``log_softmax`` along a dimension the broadcast leaves alone: :func:`_is_row_wise_of_rows`).
 
     A plate broadcasts a model's scalars to the plate's shape: ``Normal(loc, sigma)`` over
     960 observations takes ``log(sigma)``, ``sigma ** 2``, ... of ``sigma`` expanded to 960
@@ -1603,7 +1604,7 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     for node in list(graph.nodes):
         out = _val(node)
-        if not (_is_pointwise(node) and torch.is_tensor(out)):
+        if not (torch.is_tensor(out) and (_is_pointwise(node) or _is_row_wise_of_rows(node))):
             continue
         args = tuple(unbroadcast(a) for a in node.args)
         if all(a is b for a, b in zip(args, node.args)):
@@ -1627,6 +1628,25 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         node.replace_all_uses_with(broadcast)
         graph.erase_node(node)
     _eliminate_dead_code(graph)
+
+
+_ROW_WISE = {aten._log_softmax.default, aten._softmax.default}
+
+
+def _is_row_wise_of_rows(node) -> bool:
+    """Whether ``node`` normalises its input along one dimension (``log_softmax``), counted
+    from the end, along which the input, if an ``expand``, is not broadcast: then it is the
+    same computed before the broadcast (a mixture's weights, broadcast by a plate, are
+    normalised once, not once per observation: 5,000 x 3, ~200 µs -> ~2)."""
+    if node.target not in _ROW_WISE or node.kwargs:
+        return False
+    x, dim = node.args[0], node.args[1]
+    source = x.args[0] if isinstance(x, torch.fx.Node) and x.target is aten.expand.default else None
+    small, full = _val(source), _val(x)
+    return (
+        isinstance(dim, int) and dim < 0 and torch.is_tensor(small) and torch.is_tensor(full)
+        and small.dim() >= -dim and small.shape[dim] == full.shape[dim]
+    )
 
 
 def _row_index(gm: torch.fx.GraphModule, indices) -> Optional[torch.fx.Node]:

@@ -1651,6 +1651,38 @@ def test_scalars_broadcast_by_a_plate_are_computed_before_broadcasting():
     _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
 
 
+def test_a_mixtures_weights_broadcast_by_a_plate_are_normalised_once():
+    """``MixtureSameFamily`` over a plate normalises its weights (``log_softmax`` along the
+    components) after the plate broadcast them to every observation: the gradient normalises
+    them once (5,000 x 3: ~200 µs -> ~2), with the values of Pyro's; a normalisation along a
+    dimension that an ``expand`` broadcasts is left as it is."""
+
+    def mixture(x):
+        w = pyro.sample("w", dist.Dirichlet(torch.ones(3)))
+        loc = pyro.sample("loc", dist.Normal(0.0, 5.0).expand([3]).to_event(1))
+        with pyro.plate("n", len(x)):
+            pyro.sample("x", dist.MixtureSameFamily(dist.Categorical(w), dist.Normal(loc, 1.0)), obs=x)
+
+    gen = torch.Generator().manual_seed(0)
+    flat = from_model(mixture, (3 * torch.randn(500, generator=gen),))
+    engine = GradientEngine(flat)
+    from torch.fx.passes.shape_prop import ShapeProp
+
+    ShapeProp(engine._graph).propagate(flat.initial_z)
+    normalised = [n for n in engine._graph.graph.nodes if n.target is torch.ops.aten._log_softmax.default]
+    assert normalised and all(tuple(n.meta["tensor_meta"].shape) == (3,) for n in normalised)
+    points = [0.5 * torch.randn(flat.dim, generator=gen) for _ in range(4)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
+
+    def fn(z):  # broadcast along the normalised dimension: log_softmax of 3 equal numbers
+        return torch.log_softmax(z[:1].expand(2, 3), -1), torch.log_softmax(z.expand(2, 3), -1)
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    gm = tracing.trace(fn, (z,), check_escapes=False)
+    for ours, eager in zip(gm(z), fn(z)):
+        assert torch.allclose(ours, eager)
+
+
 def test_a_broadcast_whose_result_type_depends_on_its_shape_is_kept():
     """A 0-d float64 tensor broadcast to a vector and multiplied with a float32 vector gives
     float64; unbroadcast, type promotion would give float32: that op keeps its ``expand``."""
