@@ -1604,6 +1604,11 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     for node in list(graph.nodes):
         out = _val(node)
+        gradient = _log_softmax_backward_of_broadcast(graph, node)
+        if gradient is not None:
+            node.replace_all_uses_with(gradient)
+            graph.erase_node(node)
+            continue
         if not (torch.is_tensor(out) and (_is_pointwise(node) or _is_row_wise_of_rows(node))):
             continue
         args = tuple(unbroadcast(a) for a in node.args)
@@ -1638,15 +1643,41 @@ def _is_row_wise_of_rows(node) -> bool:
     from the end, along which the input, if an ``expand``, is not broadcast: then it is the
     same computed before the broadcast (a mixture's weights, broadcast by a plate, are
     normalised once, not once per observation: 5,000 x 3, ~200 µs -> ~2)."""
-    if node.target not in _ROW_WISE or node.kwargs:
-        return False
-    x, dim = node.args[0], node.args[1]
+    return node.target in _ROW_WISE and not node.kwargs and _broadcast_source(node.args[0], node.args[1]) is not None
+
+
+def _broadcast_source(x, dim) -> Optional[torch.fx.Node]:
+    """The value that ``x``, an ``expand``, broadcasts, where it broadcasts it along other
+    dimensions than ``dim`` (counted from the end) only; else ``None``."""
     source = x.args[0] if isinstance(x, torch.fx.Node) and x.target is aten.expand.default else None
     small, full = _val(source), _val(x)
-    return (
-        isinstance(dim, int) and dim < 0 and torch.is_tensor(small) and torch.is_tensor(full)
-        and small.dim() >= -dim and small.shape[dim] == full.shape[dim]
-    )
+    if (isinstance(dim, int) and dim < 0 and torch.is_tensor(small) and torch.is_tensor(full)
+            and small.dim() >= -dim and small.shape[dim] == full.shape[dim]):
+        return source
+    return None
+
+
+def _log_softmax_backward_of_broadcast(graph: torch.fx.Graph, node) -> Optional[torch.fx.Node]:
+    """For ``log_softmax``'s gradient ``node`` at an output that a plate broadcast (as
+    :func:`_is_row_wise_of_rows` leaves it), the same as ``g - exp(o) * g.sum(dim)``, with
+    ``exp`` of the unbroadcast output: torch's kernel along a short last dimension takes
+    ~90 µs for 5,000 x 3, the formula ~40. ``None`` where ``node`` is not such a gradient."""
+    if node.target is not aten._log_softmax_backward_data.default or node.kwargs:
+        return None
+    g, output, dim, dtype = node.args
+    source = _broadcast_source(output, dim)
+    if source is None or not torch.is_tensor(_val(g)) or _val(g).dtype != dtype or _val(node).dtype != dtype:
+        return None
+    with graph.inserting_before(node):
+        summed = graph.call_function(aten.sum.dim_IntList, (g, [dim], True))
+        weights = graph.call_function(aten.exp.default, (source,))
+        scaled = graph.call_function(aten.mul.Tensor, (weights, summed))
+        result = graph.call_function(aten.sub.Tensor, (g, scaled))
+    summed.meta["val"] = _val(g).sum(dim, keepdim=True)
+    weights.meta["val"] = _val(source).exp()
+    scaled.meta["val"] = weights.meta["val"] * summed.meta["val"]
+    result.meta["val"] = _val(g) - scaled.meta["val"]
+    return result
 
 
 def _row_index(gm: torch.fx.GraphModule, indices) -> Optional[torch.fx.Node]:
