@@ -413,6 +413,43 @@ def test_constrained_sites():
     assert_mean(p, alpha / alpha.sum())
 
 
+def test_the_truth_ranks_uniformly_among_the_draws():
+    """Simulation-based calibration (Talts et al. 2018) of 4 chains of the default
+    ``pyro_hmc_plus.MCMC`` (vectorized, each adapting its own step size and metric): 200
+    replications of a normal model with unknown mean and scale (a positive site with a skewed
+    posterior), each with its parameters drawn from the prior and 5 observations drawn given
+    them, sampled together as one 400-dimensional posterior. If the draws follow each
+    replication's posterior, the rank of its true parameter among 100 thinned draws is
+    uniform; a chi-square test over 10 bins checks that. Its power, measured: a likelihood
+    whose scale is 10% off gives p ~ 1e-5 to 1e-4 for the scale, momenta drawn 30% too large
+    p <= 1e-3 (mean and scale together)."""
+    from scipy.stats import chisquare
+
+    replications, observations = 200, 5
+
+    def replicated(y):
+        with pyro.plate("replication", replications):
+            mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+            sigma = pyro.sample("sigma", dist.LogNormal(0.0, 0.5))
+            with pyro.plate("observation", observations, dim=-2):
+                pyro.sample("y", dist.Normal(mu, sigma), obs=y)
+
+    gen = torch.Generator().manual_seed(0)
+    truth = {"mu": torch.randn(replications, generator=gen),
+             "sigma": (0.5 * torch.randn(replications, generator=gen)).exp()}
+    y = truth["mu"] + truth["sigma"] * torch.randn(observations, replications, generator=gen)
+    pyro.set_rng_seed(0)
+    mcmc = pyro_hmc_plus.MCMC(NUTS(replicated), num_samples=500, warmup_steps=300, num_chains=4,
+                              disable_progbar=True, warn_on_problems=False)
+    mcmc.run(y)
+    samples = mcmc.get_samples(group_by_chain=True)
+    for name, true in truth.items():
+        draws = samples[name][:, ::20].reshape(-1, replications)  # 4 x 25 draws, ~independent
+        ranks = (draws < true).sum(0).numpy()  # 0 ... 100
+        counts = np.bincount(ranks * 10 // (len(draws) + 1), minlength=10)
+        assert chisquare(counts).pvalue > 1e-3, f"{name}: ranks of the truth per tenth {counts}"
+
+
 def test_enumerated_discrete_site_matches_the_exact_posterior():
     """A discrete latent site that Pyro's potential sums out by enumeration (the change-point
     model of the coal-mining disasters, 111 candidate years): the two rates' exact posterior
