@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -282,6 +283,8 @@ def main():
 
         def mean_and_se(values):
             values = list(values)
+            if any(math.isnan(v) for v in values):  # gradients not counted (Pyro's jit_compile)
+                return "nan"
             if len(values) < 2:
                 return f"{statistics.fmean(values) if values else float('nan'):.4f}"
             return f"{statistics.fmean(values):.4f} +- {statistics.stdev(values) / len(values) ** 0.5:.4f}"
