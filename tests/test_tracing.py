@@ -697,13 +697,20 @@ def _recursive_volatility_loop(returns):
         pyro.sample(f"r_{t}", dist.Normal(0.0, torch.exp(h / 2)), obs=returns[t])
 
 
+def _loop_of_matrix_sites(y):  # sites of one shape: rows of a block of the latent vector
+    for i in range(len(y)):
+        w = pyro.sample(f"w_{i}", dist.Normal(0.0, 1.0).expand([2, 3]).to_event(2))
+        pyro.sample(f"y_{i}", dist.Normal((w ** 2).sum(), 1.0), obs=y[i])
+
+
 @pytest.mark.parametrize("model, data, fewer", [
     (ar1_loop, torch.sin(torch.arange(30.0)), 5.0),
     (_gamma_beta_poisson_loop, torch.tensor([3.0, 5.0, 2.0, 4.0, 6.0, 1.0, 4.0, 3.0]), 1.4),
     (_vector_ar_loop, torch.cos(torch.arange(60.0)).reshape(20, 3), 2.5),
     (_stochastic_volatility_loop, 0.5 * torch.sin(torch.arange(30.0)), 5.0),
     (_recursive_volatility_loop, 0.5 * torch.sin(torch.arange(30.0)), 1.3),  # 1,093 -> 776
-], ids=["ar1", "gamma_beta_poisson", "vector_ar1", "stochastic_volatility", "recursion"])
+    (_loop_of_matrix_sites, torch.sin(torch.arange(6.0)), 1.3),  # 92 -> 63
+], ids=["ar1", "gamma_beta_poisson", "vector_ar1", "stochastic_volatility", "recursion", "matrix_sites"])
 def test_a_python_loop_of_sites_becomes_a_few_vector_ops_with_the_same_gradient(model, data, fewer, monkeypatch):
     """A model written as a Python loop of one site per step computes the same scalar ops for
     every step: vectorize_alike_ops computes them as vector ops. Fewer operations by the
