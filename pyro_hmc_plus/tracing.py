@@ -1565,9 +1565,8 @@ def _is_pointwise(node) -> bool:
 def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Compute elementwise ops on values before they are broadcast, not after (and a
     ``log_softmax`` along a dimension the broadcast leaves alone: :func:`_is_row_wise_of_rows`).
-    ``log_softmax`` and its gradient, where torch's kernels are slow (at a broadcast, along
-    short rows), are written as formulas of faster ops (:func:`_log_softmax_as_formula`,
-    :func:`_log_softmax_backward_as_formula`).
+    ``log_softmax`` and its gradient are computed as little as they need to be
+    (:func:`_log_softmax_rewritten`).
 
     A plate broadcasts a model's scalars to the plate's shape: ``Normal(loc, sigma)`` over
     960 observations takes ``log(sigma)``, ``sigma ** 2``, ... of ``sigma`` expanded to 960
@@ -1605,13 +1604,12 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             return uniform[arg] or arg
         return arg
 
+    normalised = {}  # logits that stood for their own log_softmax -> its dimension
     for node in list(graph.nodes):
         out = _val(node)
-        formula = _log_softmax_backward_as_formula(graph, node)
-        if formula is None:
-            formula = _log_softmax_as_formula(graph, node)
-        if formula is not None:
-            node.replace_all_uses_with(formula)
+        replacement = _log_softmax_rewritten(graph, node, normalised)
+        if replacement is not None:
+            node.replace_all_uses_with(replacement)
             graph.erase_node(node)
             continue
         if not (torch.is_tensor(out) and (_is_pointwise(node) or _is_row_wise_of_rows(node))):
@@ -1673,12 +1671,56 @@ def _along_short_rows(x, dim) -> bool:
     to 7 elements. The kernels vectorise along that dimension, and a row shorter than a
     vector (8 floats with AVX2, 16 with AVX-512) goes through a scalar loop: for 5,000 x 3 in
     float32, ~180 µs against ~75 for ``x - logsumexp(x)`` and ~90 against ~40 for the
-    gradient's formula; with AVX2, rows of 8 or more are faster in the kernels. A mixture
-    whose weights vary by observation normalises them so (``MixtureSameFamily``)."""
+    gradient's formula; with AVX2, rows of 8 or more are faster in the kernels. (A softmax
+    regression written with ``log_softmax``; ``MixtureSameFamily``'s normalisation of
+    ``Categorical`` logits goes away altogether: :func:`_log_softmax_rewritten`.)"""
     v = _val(x)
     return (torch.is_tensor(v) and v.is_floating_point() and v.dim() >= 1 and isinstance(dim, int)
             and dim % v.dim() == v.dim() - 1 and 2 <= v.shape[-1] < _SHORT_ROW
             and v.numel() // v.shape[-1] >= _MANY_ROWS)
+
+
+def _log_softmax_rewritten(graph: torch.fx.Graph, node, normalised: dict) -> Optional[torch.fx.Node]:
+    """What replaces ``node``, a ``log_softmax`` or its gradient, where torch computes it
+    needlessly or slowly; ``None`` where nothing does.
+
+    - ``log_softmax`` of logits normalised along that dimension already, ``x = a -
+      logsumexp(a)`` (``Categorical(logits=a)`` stores its logits so, and
+      ``MixtureSameFamily`` normalises them again): ``x`` itself, the same values to
+      rounding. Its gradient ``g - p * g.sum()`` (``p = exp(x)``, the probabilities) then
+      becomes ``g``: the two differ by a multiple of ``p`` in every row, which the gradient
+      of ``x``'s own normalisation, ``h - p * h.sum()``, takes to zero, so the gradient of
+      ``a`` is the same. ``normalised`` keeps the logits that stood in for a ``log_softmax``,
+      so that its gradient is recognised.
+    - where torch's kernels are slow, formulas of faster ops
+      (:func:`_log_softmax_backward_as_formula`, :func:`_log_softmax_as_formula`)."""
+    if node.target is aten._log_softmax.default and not node.kwargs and not node.args[2]:
+        x, dim = node.args[:2]
+        if _is_normalised(x, dim) and _val(x).dtype == _val(node).dtype:
+            normalised[x] = dim % _val(x).dim()
+            return x
+    if node.target is aten._log_softmax_backward_data.default and not node.kwargs:
+        g, output, dim, dtype = node.args
+        if (output in normalised and isinstance(dim, int) and dim % _val(output).dim() == normalised[output]
+                and torch.is_tensor(_val(g)) and _val(g).dtype == dtype == _val(node).dtype
+                and _val(g).shape == _val(node).shape):
+            return g
+    formula = _log_softmax_backward_as_formula(graph, node)
+    return formula if formula is not None else _log_softmax_as_formula(graph, node)
+
+
+def _is_normalised(x, dim) -> bool:
+    """Whether ``x`` is ``a - logsumexp(a, dim, keepdim=True)``: logits normalised along
+    ``dim``, whose ``log_softmax`` along it is ``x`` itself."""
+    if not (isinstance(x, torch.fx.Node) and x.target is aten.sub.Tensor and not x.kwargs and isinstance(dim, int)):
+        return False
+    a, normaliser = x.args
+    if not (isinstance(normaliser, torch.fx.Node) and normaliser.target is aten.logsumexp.default
+            and normaliser.args[0] is a and len(normaliser.args) == 3 and normaliser.args[2] is True):
+        return False
+    v, dims = _val(x), normaliser.args[1]
+    return (torch.is_tensor(v) and v.dim() >= 1 and len(dims) == 1
+            and dims[0] % v.dim() == dim % v.dim() and _val(a).shape == v.shape)
 
 
 def _log_softmax_as_formula(graph: torch.fx.Graph, node) -> Optional[torch.fx.Node]:

@@ -1793,17 +1793,43 @@ def test_a_mixtures_weights_broadcast_by_a_plate_are_normalised_once():
         assert torch.allclose(ours, eager)
 
 
-@pytest.mark.parametrize("components, observations, formulas", [(3, 600, True), (8, 600, False), (3, 100, False)])
-def test_log_softmax_along_short_rows_is_written_as_formulas(components, observations, formulas):
-    """A mixture whose weights vary by observation normalises them with ``log_softmax``
-    along rows of a few elements, where torch's CPU kernels run a scalar loop per row (5,000
-    x 3: ~180 µs, its gradient ~90): the gradient computes ``x - logsumexp(x)`` and ``g -
-    exp(o) * g.sum(-1)`` instead, with the values of Pyro's. Rows of 8 or more, and fewer
-    than 512 rows, keep the kernels."""
+_LOG_SOFTMAX_KERNELS = {torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax_backward_data.default}
+
+
+@pytest.mark.parametrize("classes, observations, formulas", [(3, 600, True), (8, 600, False), (3, 100, False)])
+def test_log_softmax_along_short_rows_is_written_as_formulas(classes, observations, formulas):
+    """``log_softmax`` along rows of a few elements, where torch's CPU kernels run a scalar
+    loop per row (5,000 x 3: ~180 µs, its gradient ~90): the gradient computes ``x -
+    logsumexp(x)`` and ``g - exp(o) * g.sum(-1)`` instead, with the values of Pyro's. Rows of
+    8 or more, and fewer than 512 rows, keep the kernels."""
+
+    def softmax_regression(x, y):
+        weights = pyro.sample("weights", dist.Normal(0.0, 1.0).expand([x.shape[1], classes]).to_event(2))
+        log_probs = torch.log_softmax(x @ weights, -1)
+        pyro.factor("y", log_probs.gather(-1, y.unsqueeze(-1)).sum())
+
+    gen = torch.Generator().manual_seed(0)
+    data = (torch.randn(observations, 2, generator=gen), torch.randint(classes, (observations,), generator=gen))
+    flat = from_model(softmax_regression, data)
+    engine = GradientEngine(flat)
+    assert _LOG_SOFTMAX_KERNELS.isdisjoint(n.target for n in engine._graph.graph.nodes) == formulas
+    points = [flat.initial_z + torch.randn(flat.dim, generator=gen) for _ in range(4)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("observations", [100, 600])
+def test_a_log_softmax_of_normalised_logits_is_the_logits(observations):
+    """``MixtureSameFamily(Categorical(logits=a), ...)`` normalises its weights twice:
+    ``Categorical`` stores ``a - logsumexp(a)``, and the mixture takes ``log_softmax`` of
+    that. The gradient takes the normalised logits as they are, and the ``log_softmax``'s
+    gradient drops out (the normalisation's own gradient removes what it would add): no
+    ``log_softmax`` is left, whatever the rows' number and length, and the values are
+    Pyro's. (A mixture of regressions, 3 components, 5,000 observations: 420 -> 296 µs a
+    gradient.)"""
 
     def mixture_of_regressions(x, y):
-        weights = pyro.sample("weights", dist.Normal(0.0, 1.0).expand([x.shape[1], components]).to_event(2))
-        loc = pyro.sample("loc", dist.Normal(0.0, 5.0).expand([components]).to_event(1))
+        weights = pyro.sample("weights", dist.Normal(0.0, 1.0).expand([x.shape[1], 3]).to_event(2))
+        loc = pyro.sample("loc", dist.Normal(0.0, 5.0).expand([3]).to_event(1))
         with pyro.plate("n", len(y)):
             mixing = dist.Categorical(logits=x @ weights)
             pyro.sample("y", dist.MixtureSameFamily(mixing, dist.Normal(loc, 1.0)), obs=y)
@@ -1812,8 +1838,7 @@ def test_log_softmax_along_short_rows_is_written_as_formulas(components, observa
     data = (torch.randn(observations, 2, generator=gen), 3 * torch.randn(observations, generator=gen))
     flat = from_model(mixture_of_regressions, data)
     engine = GradientEngine(flat)
-    kernels = {torch.ops.aten._log_softmax.default, torch.ops.aten._log_softmax_backward_data.default}
-    assert (kernels.isdisjoint(n.target for n in engine._graph.graph.nodes)) == formulas
+    assert _LOG_SOFTMAX_KERNELS.isdisjoint(n.target for n in engine._graph.graph.nodes)
     points = [flat.initial_z + torch.randn(flat.dim, generator=gen) for _ in range(4)]
     _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-4)
 
