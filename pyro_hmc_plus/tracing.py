@@ -1691,19 +1691,20 @@ def _log_softmax_rewritten(graph: torch.fx.Graph, node, normalised: dict) -> Opt
       becomes ``g``: the two differ by a multiple of ``p`` in every row, which the gradient
       of ``x``'s own normalisation, ``h - p * h.sum()``, takes to zero, so the gradient of
       ``a`` is the same. ``normalised`` keeps the logits that stood in for a ``log_softmax``,
-      so that its gradient is recognised.
+      so that its gradient is recognised. (Not where an in-place op writes the result, which
+      would then write the logits or ``g``.)
     - where torch's kernels are slow, formulas of faster ops
       (:func:`_log_softmax_backward_as_formula`, :func:`_log_softmax_as_formula`)."""
     if node.target is aten._log_softmax.default and not node.kwargs and not node.args[2]:
         x, dim = node.args[:2]
-        if _is_normalised(x, dim) and _val(x).dtype == _val(node).dtype:
+        if _is_normalised(x, dim) and _val(x).dtype == _val(node).dtype and not _written_through(node):
             normalised[x] = dim % _val(x).dim()
             return x
     if node.target is aten._log_softmax_backward_data.default and not node.kwargs:
         g, output, dim, dtype = node.args
         if (output in normalised and isinstance(dim, int) and dim % _val(output).dim() == normalised[output]
                 and torch.is_tensor(_val(g)) and _val(g).dtype == dtype == _val(node).dtype
-                and _val(g).shape == _val(node).shape):
+                and _val(g).shape == _val(node).shape and not _written_through(node)):
             return g
     formula = _log_softmax_backward_as_formula(graph, node)
     return formula if formula is not None else _log_softmax_as_formula(graph, node)
