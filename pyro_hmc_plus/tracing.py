@@ -364,6 +364,7 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         fold_constants,  # what the support masks, now constants, fed
         fold_constant_solves,
         shrink_broadcasts,
+        cheaper_log_softmax,
         simplify,  # the reshapes around the products fold_constant_solves made; log(exp(x)) unbroadcast
         cheaper_indexing,
         merge_duplicate_ops,
@@ -1565,8 +1566,6 @@ def _is_pointwise(node) -> bool:
 def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Compute elementwise ops on values before they are broadcast, not after (and a
     ``log_softmax`` along a dimension the broadcast leaves alone: :func:`_is_row_wise_of_rows`).
-    ``log_softmax`` and its gradient are computed as little as they need to be
-    (:func:`_log_softmax_rewritten`).
 
     A plate broadcasts a model's scalars to the plate's shape: ``Normal(loc, sigma)`` over
     960 observations takes ``log(sigma)``, ``sigma ** 2``, ... of ``sigma`` expanded to 960
@@ -1604,14 +1603,8 @@ def shrink_broadcasts(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             return uniform[arg] or arg
         return arg
 
-    normalised = {}  # logits that stood for their own log_softmax -> its dimension
     for node in list(graph.nodes):
         out = _val(node)
-        replacement = _log_softmax_rewritten(graph, node, normalised)
-        if replacement is not None:
-            node.replace_all_uses_with(replacement)
-            graph.erase_node(node)
-            continue
         if not (torch.is_tensor(out) and (_is_pointwise(node) or _is_row_wise_of_rows(node))):
             continue
         args = tuple(unbroadcast(a) for a in node.args)
@@ -1658,6 +1651,22 @@ def _broadcast_source(x, dim) -> Optional[torch.fx.Node]:
             and small.dim() >= -dim and small.shape[dim] == full.shape[dim]):
         return source
     return None
+
+
+@_graph_pass
+def cheaper_log_softmax(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``log_softmax`` and its gradient computed only where they change values, and as
+    formulas of faster ops where torch's kernels are slow (:func:`_log_softmax_rewritten`).
+    Runs after :func:`shrink_broadcasts`, whose ``expand`` after a ``log_softmax`` computed
+    before a plate's broadcast tells its gradient which weights to take."""
+    graph = gm.graph
+    normalised = {}  # logits that stood for their own log_softmax -> its dimension
+    for node in list(graph.nodes):
+        replacement = _log_softmax_rewritten(graph, node, normalised)
+        if replacement is not None:
+            node.replace_all_uses_with(replacement)
+            graph.erase_node(node)
+    _eliminate_dead_code(graph)
 
 
 # Rows shorter than this many elements, and at least this many rows: where torch's CPU
@@ -2018,10 +2027,11 @@ def lay_out_matrices_for_products(gm: torch.fx.GraphModule) -> torch.fx.GraphMod
         if (matrix.t() if tall else matrix).is_contiguous():
             continue  # already along its longer dimension
         if node.args[0] not in laid_out:
+            if not tall:
+                copy = matrix.contiguous()
+            elif (copy := _stored_transpose(gm, matrix)) is None:
+                copy = matrix.t().contiguous().t()
             with graph.inserting_before(node):
-                copy = _stored_transpose(gm, matrix) if tall else None
-                if copy is None:
-                    copy = matrix.t().contiguous().t() if tall else matrix.contiguous()
                 laid_out[node.args[0]] = _constant_node(gm, "_laid_out_", copy.detach())
         node.replace_input_with(node.args[0], laid_out[node.args[0]])
     _eliminate_dead_code(graph)

@@ -14,7 +14,7 @@ BENCHMARKS = pathlib.Path(__file__).parent.parent / "benchmarks"
 
 
 def _rows(script, *options):
-    """The printed table of ``script`` run with ``options``: ``{(first column, contender): row}``."""
+    """The lines ``script`` prints, run with ``options`` (it must succeed, and say no contender failed)."""
     out = subprocess.run([sys.executable, str(BENCHMARKS / script), *options], capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0 and "failed" not in out.stderr, out.stderr[-3000:]
