@@ -359,9 +359,10 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         raise UntraceableModel(f"tracing failed: {type(e).__name__}: {e}") from e
     for graph_pass in (
         fold_constants,
+        writes_out_of_place,  # (after the aliases fold_constants drops: a write into a `detach` is a write into a view)
         simplify,
-        fold_support_checks,
-        fold_constants,  # what the support masks, now constants, fed
+        fold_decided_comparisons,
+        fold_constants,  # what the decided masks, now constants, fed
         fold_constant_solves,
         shrink_broadcasts,
         cheaper_log_softmax,
@@ -417,6 +418,25 @@ def _out_of_place(node) -> Optional[torch._ops.OpOverload]:
         return None
     packet = getattr(torch.ops.aten, node.target.overloadpacket.__name__[:-1], None)
     return getattr(packet, node.target._overloadname, None) if packet is not None else None
+
+
+def _out_of_place_if_own(node, order: dict, value_of) -> Optional[torch._ops.OpOverload]:
+    """The out-of-place form of ``node`` (:func:`_out_of_place`) where writing it out of place
+    gives the same values: the tensor it writes is its own (made by an op of the graph, not a
+    view), everything else that reads that tensor comes before the write and is not a view of
+    it, and the out-of-place result has the same dtype and shape (``value_of(n)``: a value of
+    ``n``, whose dtype and shape are what count). Else ``None``."""
+    out_of_place = _out_of_place(node)
+    written = node.args[0] if out_of_place is not None else None
+    if written is None or written.op != "call_function" or _returns_view(written) or not all(
+        user is node or (order[user] < order[node] and not _returns_view(user)) for user in written.users
+    ):
+        return None
+    if any(value_of(n) is None for n in node.all_input_nodes + [node]):
+        return None
+    args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), value_of)
+    result = out_of_place(*args, **kwargs)
+    return out_of_place if (result.dtype, result.shape) == (value_of(node).dtype, value_of(node).shape) else None
 
 
 def _slice_bounds(node) -> Optional[Tuple[int, Optional[int], Optional[int], int]]:
@@ -575,15 +595,9 @@ def for_vmap(gm: torch.fx.GraphModule, example: torch.Tensor) -> torch.fx.GraphM
                 replacement = new_op(node, aten.sub.Tensor, new_op(node, aten.mul.Tensor, new_op(node, aten.rsub.Scalar, y, 1), x),
                                      new_op(node, aten.log_sigmoid.default, x))
         else:
-            out_of_place = _out_of_place(node)
-            written = node.args[0] if out_of_place is not None else None
-            if written is None or written.op != "call_function" or _returns_view(written) or not all(
-                user is node or (order[user] < order[node] and not _returns_view(user)) for user in written.users
-            ):
+            out_of_place = _out_of_place_if_own(node, order, values.get)
+            if out_of_place is None:
                 continue  # something may read the tensor after the write, or through a view of it
-            result = out_of_place(*torch.fx.node.map_arg(node.args, values.get), **node.kwargs)
-            if (result.dtype, result.shape) != (values[node].dtype, values[node].shape):
-                continue
             with graph.inserting_before(node):
                 replacement = new_op(node, out_of_place, *node.args, **node.kwargs)
         values[replacement] = values.pop(node)  # for the ops after it that read it
@@ -860,6 +874,28 @@ def _graph_pass(rewrite):
 
 
 @_graph_pass
+def writes_out_of_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """In-place ops that write a tensor of their own (:func:`_out_of_place_if_own`) as their
+    out-of-place forms: the same values, and a tensor that nothing writes, which the other
+    passes may fold or replace. (The gradient of ``cumprod``, in Pyro's simplex and
+    correlation transforms, builds its masks by ``scatter_``, ``logical_and_`` and
+    ``bitwise_and_`` into fresh tensors: written in place, none of them is a constant for
+    :func:`fold_constants`, whatever the masks' inputs.)"""
+    graph = gm.graph
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        out_of_place = _out_of_place_if_own(node, order, _val) if node.op == "call_function" else None
+        if out_of_place is None:
+            continue
+        with graph.inserting_before(node):
+            replacement = graph.call_function(out_of_place, node.args, node.kwargs)
+        replacement.meta = dict(node.meta)
+        order[replacement] = order[node]
+        node.replace_all_uses_with(replacement)
+        graph.erase_node(node)
+
+
+@_graph_pass
 def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Evaluate, once, every node whose inputs are all constants; drop aliasing no-ops.
 
@@ -897,6 +933,10 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             const[node] = torch.full(val.shape, fill, dtype=val.dtype, device=val.device)
             continue
         if not all(n in const for n in inputs):
+            kept = _unmasked(node, const, written)
+            if kept is not None:
+                node.replace_all_uses_with(kept)
+                graph.erase_node(node)
             continue
         if isinstance(target, torch._ops.OpOverload) and (
             torch.Tag.nondeterministic_seeded in target.tags
@@ -924,6 +964,33 @@ def fold_constants(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for user in users:
             user.replace_input_with(node, attr)
     _eliminate_dead_code(graph)
+
+
+def _unmasked(node, const: dict, written: set) -> Optional[torch.fx.Node]:
+    """What ``node`` equals where its mask is a constant (``const``) that masks the same way
+    everywhere: ``where(mask, a, b)`` is ``a`` where the mask is all true, ``b`` where all
+    false; ``masked_fill(x, mask, v)`` (or ``masked_fill_``) is ``x`` where the mask is all
+    false. ``None`` where the mask decides nothing, where the result would broadcast or
+    convert the kept input, or where an in-place op writes either (``written``:
+    :func:`_written_storage`), which must then stay tensors of their own."""
+    if node.target is aten.where.self:
+        mask, when_true, when_false = node.args
+    elif node.target in _MASKED_FILLS:
+        when_false, mask = node.args[:2]
+        when_true = None
+    else:
+        return None
+    mask = const.get(mask) if isinstance(mask, torch.fx.Node) else None
+    if not (torch.is_tensor(mask) and mask.dtype == torch.bool and mask.numel()):
+        return None
+    kept = when_true if bool(mask.all()) else when_false if not bool(mask.any()) else None
+    if not (isinstance(kept, torch.fx.Node) and torch.is_tensor(_val(kept)) and torch.is_tensor(_val(node))):
+        return None
+    if (_val(kept).shape, _val(kept).dtype) != (_val(node).shape, _val(node).dtype):
+        return None
+    if node.target is not aten.masked_fill_.Scalar and (kept in written or node in written):
+        return None  # (an in-place fill of nothing is its input, written or not)
+    return kept
 
 
 def _val(node):
@@ -1904,53 +1971,144 @@ def _scaled_product(gm, node, products):
     return scale * matrix, source
 
 
-# comparisons ``exp(x) <op> c`` whose result the sign of ``exp`` decides: (op, c -> value or None)
-_EXP_COMPARISONS = {
-    aten.lt.Scalar: lambda c: False if c <= 0 else None,
-    aten.le.Scalar: lambda c: False if c < 0 else None,
-    aten.ge.Scalar: lambda c: True if c <= 0 else None,
-    aten.gt.Scalar: lambda c: True if c < 0 else None,
+# comparisons ``x <op> c`` that the range ``[lo, hi]`` of ``x`` decides: (op, (lo, hi, c) -> value or None)
+_DECIDED_COMPARISONS = {
+    aten.lt.Scalar: lambda lo, hi, c: False if lo >= c else True if hi < c else None,
+    aten.le.Scalar: lambda lo, hi, c: False if lo > c else True if hi <= c else None,
+    aten.ge.Scalar: lambda lo, hi, c: True if lo >= c else False if hi < c else None,
+    aten.gt.Scalar: lambda lo, hi, c: True if lo > c else False if hi <= c else None,
+    aten.eq.Scalar: lambda lo, hi, c: False if c < lo or c > hi else None,
+    aten.ne.Scalar: lambda lo, hi, c: True if c < lo or c > hi else None,
 }
 _MASKED_FILLS = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
+# ops whose every value lies in a fixed range, whatever their input (NaN aside)
+_BOUNDED = {aten.exp.default: (0.0, math.inf), aten.sigmoid.default: (0.0, 1.0), aten.tanh.default: (-1.0, 1.0)}
+# ops whose values are some of their first input's
+_SAME_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+                aten.unsqueeze.default, aten.permute.default, aten.t.default, aten.transpose.int, aten.flip.default,
+                aten.clone.default, aten.diagonal.default}
+
+
+_VALUES_WITHOUT_KWARGS = set(_BOUNDED) | _SHAPE_ONLY | _SAME_VALUES  # (dtype, device, memory_format, ...)
+
+
+def _in_dtype(number: float, dtype: torch.dtype) -> float:
+    """``number`` rounded to ``dtype``, as an op on a tensor of ``dtype`` takes a number:
+    ``clamp(x, max=1 - 1e-9)`` on float32 clamps at 1."""
+    return float(torch.tensor(number, dtype=torch.float64).to(dtype))
+
+
+def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, float]]:
+    """A closed range ``(lo, hi)`` holding every value of each node for which one follows from
+    the ops alone, whatever the graph's inputs (NaN aside: a range says nothing about NaN):
+    constants, ``exp``, ``sigmoid`` and ``tanh``, ``clamp``, ``1 - x``, ``x ** 2``, ``sqrt``,
+    fills, pads, writes and views. Pyro's transforms bound their results this way
+    (``clamp(sigmoid(x), tiny, 1 - eps)`` for a simplex, ``clamp(tanh(x), -1 + eps, 1 - eps)``
+    for a correlation matrix), so the gradients' guards against zeros are decided. The ops
+    whose ranges are computed from their input's (``c - x``, ``x * x``, ``sqrt``) are monotone
+    on the pieces used and correctly rounded, to half a unit in the last place: each bound,
+    computed in float64, is widened by the dtype's ``eps`` times itself (two such units,
+    which also covers the float64 computation of a float64 graph's bounds) and by its
+    smallest normal number (results that underflow, or are flushed to zero). Numbers are
+    taken in the dtype, as the ops take them (:func:`_in_dtype`). Nodes whose memory an
+    in-place op writes get no range: their values change."""
+    written = _written_storage(gm.graph.nodes)
+    ranges = {}
+
+    def widened(node, lo, hi):
+        info = torch.finfo(_val(node).dtype)
+        return lo - (info.eps * abs(lo) + info.tiny), hi + (info.eps * abs(hi) + info.tiny)
+
+    def hull(*found):
+        return None if any(r is None for r in found) else (min(r[0] for r in found), max(r[1] for r in found))
+
+    def of(arg, dtype):  # a number as the op uses it: in the tensor's dtype
+        if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+            number = _in_dtype(arg, dtype)
+            return number, number
+        return ranges.get(arg) if isinstance(arg, torch.fx.Node) else None
+
+    for node in gm.graph.nodes:
+        value = getattr(gm, node.target) if node.op == "get_attr" else _val(node)
+        if node in written or not (torch.is_tensor(value) and value.is_floating_point()):
+            continue
+        target, args, dtype, found = node.target, node.args, value.dtype, None
+        if node.op == "get_attr":
+            if value.numel() and not value.isnan().any():
+                found = float(value.min()), float(value.max())
+        elif node.op != "call_function" or (node.kwargs and target not in _VALUES_WITHOUT_KWARGS):
+            continue  # (a keyword may change the values: rsub's alpha, a pad's value)
+        elif target in _BOUNDED:
+            found = _BOUNDED[target]
+        elif target in _SHAPE_ONLY:
+            fill = _SHAPE_ONLY_FILL[target]
+            found = of(fill(args) if callable(fill) else fill, dtype)
+        elif target in _SAME_VALUES:
+            found = of(args[0], dtype)
+        elif target is aten.clamp.default:  # (an input of unknown range: the bounds')
+            lo, hi = of(args[0], dtype) or (-math.inf, math.inf)
+            low, high = (list(args[1:]) + [None, None])[:2]
+            found = (lo if low is None else max(lo, _in_dtype(low, dtype)),
+                     hi if high is None else min(hi, _in_dtype(high, dtype)))
+        elif target is aten.rsub.Scalar and len(args) == 2 and None not in (of(args[0], dtype), of(args[1], dtype)):
+            (lo, hi), (c, _) = of(args[0], dtype), of(args[1], dtype)
+            found = widened(node, c - hi, c - lo)
+        elif target is aten.pow.Tensor_Scalar and args[1] == 2 and of(args[0], dtype) is not None:
+            lo, hi = of(args[0], dtype)
+            found = widened(node, 0.0 if lo <= 0 <= hi else min(lo * lo, hi * hi), max(lo * lo, hi * hi))
+        elif target is aten.sqrt.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] >= 0:
+            lo, hi = of(args[0], dtype)
+            found = widened(node, math.sqrt(max(lo, 0.0)), math.sqrt(hi))
+        elif target is aten.constant_pad_nd.default:
+            found = hull(of(args[0], dtype), of(args[2] if len(args) > 2 else 0.0, dtype))
+        elif target is aten.index_put.default and not (len(args) > 3 and args[3]):  # written, not added
+            found = hull(of(args[0], dtype), of(args[2], dtype))
+        elif target is aten.where.self:
+            found = hull(of(args[1], dtype), of(args[2], dtype))
+        elif target in (aten.cat.default, aten.stack.default):
+            found = hull(*(of(x, dtype) for x in args[0]))
+        if found is not None and not (found[0] <= found[1]):
+            found = None  # clamp(x, 1, 0) and the like: nothing to say
+        if found is not None:
+            ranges[node] = found
+    return ranges
 
 
 @_graph_pass
-def fold_support_checks(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """Remove distributions' support checks on values that are in the support by
-    construction: a positive site reaches its distribution as ``exp`` of the unconstrained
-    value (Pyro's transform), and e.g. ``HalfCauchy.log_prob`` masks ``value < 0`` to
-    ``-inf``, ``HalfNormal``'s takes a ``where(value >= 0, ...)``, their gradients mask
-    again: 3-4 operations per positive site, in every gradient. ``exp(x) < 0`` is false
-    for every ``x``, NaN included, so masks it selects nothing from are dropped exactly;
-    ``exp(x) >= 0`` is true for every ``x`` but NaN, where the check would have made the
-    log density ``-inf`` (the potential ``+inf``) and now leaves it NaN: both non-finite, so
-    both a divergence for the samplers."""
+def fold_decided_comparisons(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Replace each comparison with a number that the compared values' range decides
+    (:func:`_value_ranges`) by a constant mask; :func:`fold_constants` then folds what the
+    mask fed, and drops the masking it does (:func:`_unmasked`).
+
+    What these are: distributions' support checks on values in the support by construction
+    (a positive site reaches its distribution as ``exp`` of the unconstrained value, and
+    ``HalfCauchy.log_prob`` masks ``value < 0`` to ``-inf``, ``HalfNormal``'s takes a
+    ``where(value >= 0, ...)``, their gradients mask again: 3-4 operations per positive
+    site, in every gradient), and the guard of ``cumprod``'s gradient against zeros in its
+    input, ~25 operations of masks, scans and scatters computing the derivative where a
+    factor is 0, which Pyro's simplex and correlation transforms rule out by clamping (a
+    Dirichlet prior's gradient 76 -> 48 operations).
+
+    NaN: a comparison with NaN is false (``!=``: true). Folded to false (true for ``!=``),
+    a mask is exact for NaN too. Folded to true, it differs where the value is NaN, where
+    e.g. a check ``exp(x) >= 0`` would have made the log density ``-inf`` (the potential
+    ``+inf``) and now leaves it NaN: both non-finite, so both a divergence for the samplers."""
     graph = gm.graph
+    ranges = _value_ranges(gm)
     for node in list(graph.nodes):
-        rule = _EXP_COMPARISONS.get(node.target) if node.op == "call_function" else None
-        source = node.args[0] if rule is not None else None
-        if not (isinstance(source, torch.fx.Node) and source.target is aten.exp.default
-                and isinstance(node.args[1], (int, float)) and torch.is_tensor(_val(node))):
+        rule = _DECIDED_COMPARISONS.get(node.target) if node.op == "call_function" else None
+        if rule is None or node.args[0] not in ranges or not isinstance(node.args[1], (int, float)) \
+                or not torch.is_tensor(_val(node)):
             continue
-        value = rule(node.args[1])
+        value = rule(*ranges[node.args[0]], _in_dtype(node.args[1], _val(node.args[0]).dtype))
         if value is None:
             continue
-        for user in list(node.users):
-            kept = None
-            if user.target in _MASKED_FILLS and user.args[1] is node and not value:
-                kept = user.args[0]  # fills nothing
-            elif user.target is aten.where.self and user.args[0] is node:
-                kept = user.args[1] if value else user.args[2]
-            if isinstance(kept, torch.fx.Node) and torch.is_tensor(_val(kept)) and torch.is_tensor(_val(user)) \
-                    and _val(kept).shape == _val(user).shape and _val(kept).dtype == _val(user).dtype:
-                user.replace_all_uses_with(kept)
-                graph.erase_node(user)
-        if node.users:  # other uses: the mask as a constant, for fold_constants
-            with graph.inserting_before(node):
-                attr = _constant_node(gm, "_support_mask_", torch.full(_val(node).shape, value, device=_val(node).device))
-            node.replace_all_uses_with(attr)
+        with graph.inserting_before(node):
+            attr = _constant_node(gm, "_decided_mask_", torch.full(_val(node).shape, value, device=_val(node).device))
+        attr.meta["val"] = getattr(gm, attr.target)
+        node.replace_all_uses_with(attr)
         graph.erase_node(node)
-    _eliminate_dead_code(graph)
 
 
 @_graph_pass

@@ -919,8 +919,8 @@ def test_an_op_repeated_on_the_same_inputs_is_computed_once():
         a = s.expand(3) * x
         b = s.expand(3) * x  # the same twice
         kept = s.expand(3) * 1.5
-        written = s.expand(3) * 1.5  # equal to kept, but written in place below
-        written.add_(x)
+        written = s.expand(3) * 1.5  # equal to kept, but written in place below (through a view)
+        written[:2].add_(x[:2])
         return a + b + kept, written
 
     x, s = torch.randn(3), torch.tensor(2.0)
@@ -1510,6 +1510,74 @@ def test_support_checks_of_positive_sites_are_removed_and_others_kept():
         _assert_engine_matches_eager(engine, points, rtol=1e-5, atol=1e-5)
         U, _ = engine.value_and_grad(torch.full((flat.dim,), float("nan")))
         assert not torch.isfinite(U)
+
+
+_CUMPROD_ZERO_GUARD = {torch.ops.aten.eq.Scalar, torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value,
+                       torch.ops.aten.max.dim, torch.ops.aten.gather.default}
+
+
+@pytest.mark.parametrize("prior, most_ops", [(dist.Dirichlet(torch.ones(4)), 50), (dist.LKJCholesky(3, 2.0), 75)])
+def test_the_zero_guard_of_cumprods_gradient_is_decided_by_the_transforms_clamps(prior, most_ops):
+    """Pyro's simplex and correlation transforms take a ``cumprod`` of factors they clamp
+    away from 0 (``1 - clamp(sigmoid(x), tiny, 1 - eps)``, ``sqrt(1 - clamp(tanh(x), ...) **
+    2)``), whose gradient guards against zero factors with ~25 operations of masks, scans
+    and scatters (76 and 101 operations in all before). The factors' ranges decide the
+    guard: none of its operations is left, and the gradient equals Pyro's, also where the
+    clamps are active (|z| = 20: the factors at their smallest)."""
+    flat = from_model(*_prior_of(prior))
+    engine = GradientEngine(flat)
+    targets = [n.target for n in engine._graph.graph.nodes if n.op == "call_function"]
+    assert not set(targets) & _CUMPROD_ZERO_GUARD
+    assert engine.gradient_ops <= most_ops
+    gen = torch.Generator().manual_seed(2)
+    points = [2 * torch.randn(flat.dim, generator=gen) for _ in range(4)]
+    points += [torch.full((flat.dim,), 20.0), torch.full((flat.dim,), -20.0)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("clamp_max, decided", [(None, False), (1 - 2**-24, True), (1 - 1e-9, False)])
+def test_a_comparison_is_folded_only_where_the_values_range_decides_it(clamp_max, decided):
+    """``sigmoid(x)`` reaches 0 and 1 in float32 (``x = -200``, ``x = 20``), so ``1 -
+    sigmoid(x) == 0`` stays a comparison; clamped below ``1 - 2**-24`` (a float32 number), ``1
+    - s`` is at least ``2**-24``, and the comparison is the constant false; clamped below
+    ``1 - 1e-9``, which is 1 in float32, it stays. Each graph gives eager torch's values."""
+
+    def fn(x):
+        s = torch.sigmoid(x) if clamp_max is None else torch.clamp(torch.sigmoid(x), 0.0, clamp_max)
+        y = 1 - s
+        return torch.where(y == 0, torch.full_like(x, 7.0), y), (x < 0) == (y.sqrt() > 0.5)
+
+    x = torch.tensor([-200.0, -1.0, 0.0, 3.0, 20.0, 100.0])
+    gm = tracing.trace(fn, (x,), check_escapes=False)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert (torch.ops.aten.eq.Scalar not in targets) == decided
+    assert torch.ops.aten.gt.Scalar in targets  # sqrt(1 - s) > 0.5 is not decided
+    for a, b in zip(gm(x), fn(x)):
+        assert torch.equal(a, b)
+
+
+def test_in_place_writes_into_a_tensor_of_its_own_are_written_out_of_place():
+    """``torch.zeros(n).scatter_(...)`` and ``m.logical_and_(...)`` into tensors nothing else
+    reads after the write are their out-of-place forms, which the other passes may fold; a
+    write that a view of the tensor sees stays in place. The same values."""
+
+    def fn(x):
+        mask = (x > 0).logical_and_(x < 2)  # a tensor of its own
+        picked = torch.zeros(4).scatter_(0, torch.tensor([1, 3]), 1.0)  # constant inputs
+        kept = x * 2
+        view = kept[:2]
+        kept.add_(1.0)  # the view sees it
+        return torch.where(mask, x, picked), view
+
+    x = torch.tensor([-1.0, 0.5, 1.5, 3.0])
+    gm = tracing.trace(fn, (x,), check_escapes=False)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.logical_and_.default not in targets and torch.ops.aten.scatter_.value not in targets
+    assert torch.ops.aten.scatter.value not in targets  # folded: a constant
+    assert torch.ops.aten.add_.Tensor in targets
+    for point in (x, torch.tensor([2.5, -0.5, 1.0, 0.1])):
+        for a, b in zip(gm(point), fn(point)):
+            assert torch.equal(a, b)
 
 
 def test_the_batched_gradient_is_recorded_inside_a_compilers_fake_tensor_trace():
