@@ -2106,7 +2106,6 @@ def fold_decided_comparisons(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         with graph.inserting_before(node):
             attr = _constant_node(gm, "_decided_mask_", torch.full(_val(node).shape, value, device=_val(node).device))
-        attr.meta["val"] = getattr(gm, attr.target)
         node.replace_all_uses_with(attr)
         graph.erase_node(node)
 
