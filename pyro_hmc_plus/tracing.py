@@ -2003,11 +2003,11 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
     """A closed range ``(lo, hi)`` holding every value of each node for which one follows from
     the ops alone, whatever the graph's inputs (NaN aside: a range says nothing about NaN):
     constants, ``exp``, ``sigmoid`` and ``tanh``, ``clamp``, ``1 - x``, ``x ** 2``, ``sqrt``,
-    fills, pads, writes and views. Pyro's transforms bound their results this way
+    ``log``, fills, pads, writes and views. Pyro's transforms bound their results this way
     (``clamp(sigmoid(x), tiny, 1 - eps)`` for a simplex, ``clamp(tanh(x), -1 + eps, 1 - eps)``
     for a correlation matrix), so the gradients' guards against zeros are decided. The ops
-    whose ranges are computed from their input's (``c - x``, ``x * x``, ``sqrt``) are monotone
-    on the pieces used and correctly rounded, to half a unit in the last place: each bound,
+    whose ranges are computed from their input's (``c - x``, ``x * x``, ``sqrt``, ``log``) are
+    monotone on the pieces used and rounded to within a unit in the last place: each bound,
     computed in float64, is widened by the dtype's ``eps`` times itself (two such units,
     which also covers the float64 computation of a float64 graph's bounds) and by its
     smallest normal number (results that underflow, or are flushed to zero). Numbers are
@@ -2060,6 +2060,9 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
         elif target is aten.sqrt.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] >= 0:
             lo, hi = of(args[0], dtype)
             found = widened(node, math.sqrt(max(lo, 0.0)), math.sqrt(hi))
+        elif target is aten.log.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] > 0:
+            lo, hi = of(args[0], dtype)  # (log(0) is -inf; of a negative number NaN)
+            found = widened(node, math.log(lo) if lo > 0 else -math.inf, math.log(hi))
         elif target is aten.constant_pad_nd.default:
             found = hull(of(args[0], dtype), of(args[2] if len(args) > 2 else 0.0, dtype))
         elif target is aten.index_put.default and not (len(args) > 3 and args[3]):  # written, not added

@@ -1538,14 +1538,15 @@ def test_the_zero_guard_of_cumprods_gradient_is_decided_by_the_transforms_clamps
 @pytest.mark.parametrize("clamp_max, decided", [(None, False), (1 - 2**-24, True), (1 - 1e-9, False)])
 def test_a_comparison_is_folded_only_where_the_values_range_decides_it(clamp_max, decided):
     """``sigmoid(x)`` reaches 0 and 1 in float32 (``x = -200``, ``x = 20``), so ``1 -
-    sigmoid(x) == 0`` stays a comparison; clamped below ``1 - 2**-24`` (a float32 number), ``1
-    - s`` is at least ``2**-24``, and the comparison is the constant false; clamped below
-    ``1 - 1e-9``, which is 1 in float32, it stays. Each graph gives eager torch's values."""
+    sigmoid(x) == 0`` and ``log(1 - sigmoid(x)) == -inf`` stay comparisons; clamped below ``1 -
+    2**-24`` (a float32 number), ``1 - s`` is at least ``2**-24``, and both are the constant
+    false; clamped below ``1 - 1e-9``, which is 1 in float32, they stay. Each graph gives
+    eager torch's values."""
 
     def fn(x):
         s = torch.sigmoid(x) if clamp_max is None else torch.clamp(torch.sigmoid(x), 0.0, clamp_max)
         y = 1 - s
-        return torch.where(y == 0, torch.full_like(x, 7.0), y), (x < 0) == (y.sqrt() > 0.5)
+        return torch.where(y == 0, torch.full_like(x, 7.0), y), (x < 0) == (y.sqrt() > 0.5), y.log() == -math.inf
 
     x = torch.tensor([-200.0, -1.0, 0.0, 3.0, 20.0, 100.0])
     gm = tracing.trace(fn, (x,), check_escapes=False)
