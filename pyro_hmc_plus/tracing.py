@@ -1971,16 +1971,18 @@ def _scaled_product(gm, node, products):
     return scale * matrix, source
 
 
-# comparisons ``x <op> c`` that the range ``[lo, hi]`` of ``x`` decides: (op, (lo, hi, c) -> value or None)
+# comparisons ``x <op> y`` that the ranges of ``x`` and ``y`` (a number's: itself) decide:
+# (op name, (x's range, y's range) -> value or None); NaN aside (see fold_decided_comparisons)
 _DECIDED_COMPARISONS = {
-    aten.lt.Scalar: lambda lo, hi, c: False if lo >= c else True if hi < c else None,
-    aten.le.Scalar: lambda lo, hi, c: False if lo > c else True if hi <= c else None,
-    aten.ge.Scalar: lambda lo, hi, c: True if lo >= c else False if hi < c else None,
-    aten.gt.Scalar: lambda lo, hi, c: True if lo > c else False if hi <= c else None,
-    aten.eq.Scalar: lambda lo, hi, c: False if c < lo or c > hi else None,
-    aten.ne.Scalar: lambda lo, hi, c: True if c < lo or c > hi else None,
+    "lt": lambda x, y: True if x[1] < y[0] else False if x[0] >= y[1] else None,
+    "le": lambda x, y: True if x[1] <= y[0] else False if x[0] > y[1] else None,
+    "gt": lambda x, y: True if x[0] > y[1] else False if x[1] <= y[0] else None,
+    "ge": lambda x, y: True if x[0] >= y[1] else False if x[1] < y[0] else None,
+    "eq": lambda x, y: False if x[1] < y[0] or x[0] > y[1] else None,
+    "ne": lambda x, y: True if x[1] < y[0] or x[0] > y[1] else None,
 }
 _MASKED_FILLS = {aten.masked_fill.Scalar, aten.masked_fill_.Scalar}
+_COMPARISON_OPS = {getattr(getattr(aten, name), overload) for name in _DECIDED_COMPARISONS for overload in ("Scalar", "Tensor")}
 # ops whose every value lies in a fixed range, whatever their input (NaN aside)
 _BOUNDED = {aten.exp.default: (0.0, math.inf), aten.sigmoid.default: (0.0, 1.0), aten.tanh.default: (-1.0, 1.0)}
 # ops whose values are some of their first input's
@@ -2002,23 +2004,34 @@ def _in_dtype(number: float, dtype: torch.dtype) -> float:
 def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, float]]:
     """A closed range ``(lo, hi)`` holding every value of each node for which one follows from
     the ops alone, whatever the graph's inputs (NaN aside: a range says nothing about NaN):
-    constants, ``exp``, ``sigmoid`` and ``tanh``, ``clamp``, ``1 - x``, ``x ** 2``, ``sqrt``,
-    ``log``, fills, pads, writes and views. Pyro's transforms bound their results this way
-    (``clamp(sigmoid(x), tiny, 1 - eps)`` for a simplex, ``clamp(tanh(x), -1 + eps, 1 - eps)``
-    for a correlation matrix), so the gradients' guards against zeros are decided. The ops
-    whose ranges are computed from their input's (``c - x``, ``x * x``, ``sqrt``, ``log``) are
-    monotone on the pieces used and rounded to within a unit in the last place: each bound,
-    computed in float64, is widened by the dtype's ``eps`` times itself (two such units,
-    which also covers the float64 computation of a float64 graph's bounds) and by its
-    smallest normal number (results that underflow, or are flushed to zero). Numbers are
-    taken in the dtype, as the ops take them (:func:`_in_dtype`). Nodes whose memory an
-    in-place op writes get no range: their values change."""
+    constants, ``exp``, ``sigmoid`` and ``tanh``, ``clamp``, ``c - x``, sums and products,
+    ``x ** 2``, ``sqrt``, ``log``, fills, pads, writes and views. Pyro's transforms bound their
+    results this way (``clamp(sigmoid(x), tiny, 1 - eps)`` for a simplex, ``low + (high -
+    low) * clamp(sigmoid(x), ...)`` for a ``Uniform`` site, ``clamp(tanh(x), -1 + eps, 1 -
+    eps)`` for a correlation matrix), so the gradients' guards against zeros, and the support
+    checks, are decided. ``-``, ``+``, ``*`` and ``sqrt`` are correctly rounded, so monotone
+    in each operand (for operands of one sign): their bounds are the op at the corners of the
+    operands' ranges, computed in the dtype as the graph computes it, and so exact; ``log``'s
+    (within a unit in the last place) and ``addcmul``'s (fused or not) are widened by two
+    units. Every bound is widened by the dtype's smallest normal number too (results that
+    underflow, or are flushed to zero). Numbers are taken in the dtype, as the ops take them
+    (:func:`_in_dtype`). Nodes whose memory an in-place op writes get no range: their values
+    change."""
     written = _written_storage(gm.graph.nodes)
     ranges = {}
 
-    def widened(node, lo, hi):
-        info = torch.finfo(_val(node).dtype)
-        return lo - (info.eps * abs(lo) + info.tiny), hi + (info.eps * abs(hi) + info.tiny)
+    def computed(fn, dtype, *operands):  # as the op computes it: in the dtype, rounded
+        return float(fn(*(torch.tensor(x, dtype=dtype) for x in operands)))
+
+    def widened(bounds, dtype, ulps=0):
+        if bounds is None or any(math.isnan(b) for b in bounds):
+            return None  # (inf - inf, 0 * inf: nothing to say)
+        info = torch.finfo(dtype)
+        return tuple(b + sign * (ulps * info.eps * abs(b) + info.tiny) for b, sign in zip(bounds, (-1, 1)))
+
+    def corners(fn, dtype, a, b):
+        values = [computed(fn, dtype, x, y) for x in a for y in b]
+        return min(values), max(values)
 
     def hull(*found):
         return None if any(r is None for r in found) else (min(r[0] for r in found), max(r[1] for r in found))
@@ -2053,16 +2066,24 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
                      hi if high is None else min(hi, _in_dtype(high, dtype)))
         elif target is aten.rsub.Scalar and len(args) == 2 and None not in (of(args[0], dtype), of(args[1], dtype)):
             (lo, hi), (c, _) = of(args[0], dtype), of(args[1], dtype)
-            found = widened(node, c - hi, c - lo)
+            found = widened((computed(operator.sub, dtype, c, hi), computed(operator.sub, dtype, c, lo)), dtype)
         elif target is aten.pow.Tensor_Scalar and args[1] == 2 and of(args[0], dtype) is not None:
             lo, hi = of(args[0], dtype)
-            found = widened(node, 0.0 if lo <= 0 <= hi else min(lo * lo, hi * hi), max(lo * lo, hi * hi))
+            low, high = corners(operator.mul, dtype, (lo, hi), (lo, hi))
+            found = widened((0.0 if lo <= 0 <= hi else low, high), dtype)
         elif target is aten.sqrt.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] >= 0:
             lo, hi = of(args[0], dtype)
-            found = widened(node, math.sqrt(max(lo, 0.0)), math.sqrt(hi))
+            found = widened((computed(torch.sqrt, dtype, max(lo, 0.0)), computed(torch.sqrt, dtype, hi)), dtype)
+        elif target in (aten.add.Tensor, aten.mul.Tensor) and None not in (of(args[0], dtype), of(args[1], dtype)):
+            found = widened(corners(operator.add if target is aten.add.Tensor else operator.mul, dtype,
+                                    of(args[0], dtype), of(args[1], dtype)), dtype)
+        elif target is aten.addcmul.default and len(args) == 3 and None not in (of(a, dtype) for a in args):
+            product = widened(corners(operator.mul, dtype, of(args[1], dtype), of(args[2], dtype)), dtype)
+            total = None if product is None else corners(operator.add, dtype, of(args[0], dtype), product)
+            found = widened(total, dtype, ulps=2)  # (a fused multiply-add rounds once)
         elif target is aten.log.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] > 0:
             lo, hi = of(args[0], dtype)  # (log(0) is -inf; of a negative number NaN)
-            found = widened(node, math.log(lo) if lo > 0 else -math.inf, math.log(hi))
+            found = widened((math.log(lo) if lo > 0 else -math.inf, math.log(hi)), dtype, ulps=2)
         elif target is aten.constant_pad_nd.default:
             found = hull(of(args[0], dtype), of(args[2] if len(args) > 2 else 0.0, dtype))
         elif target is aten.index_put.default and not (len(args) > 3 and args[3]):  # written, not added
@@ -2100,11 +2121,16 @@ def fold_decided_comparisons(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     graph = gm.graph
     ranges = _value_ranges(gm)
     for node in list(graph.nodes):
-        rule = _DECIDED_COMPARISONS.get(node.target) if node.op == "call_function" else None
-        if rule is None or node.args[0] not in ranges or not isinstance(node.args[1], (int, float)) \
-                or not torch.is_tensor(_val(node)):
+        if node.op != "call_function" or node.target not in _COMPARISON_OPS or not torch.is_tensor(_val(node)):
             continue
-        value = rule(*ranges[node.args[0]], _in_dtype(node.args[1], _val(node.args[0]).dtype))
+        x, y = node.args[:2]
+        if isinstance(y, (int, float)) and not isinstance(y, bool) and x in ranges:
+            y = (_in_dtype(y, _val(x).dtype),) * 2
+        elif isinstance(y, torch.fx.Node) and y in ranges and x in ranges:
+            y = ranges[y]
+        else:
+            continue
+        value = _DECIDED_COMPARISONS[node.target.overloadpacket.__name__](ranges[x], y)
         if value is None:
             continue
         with graph.inserting_before(node):

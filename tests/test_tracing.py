@@ -1512,6 +1512,21 @@ def test_support_checks_of_positive_sites_are_removed_and_others_kept():
         assert not torch.isfinite(U)
 
 
+@pytest.mark.parametrize("low, high", [(-1.0, 3.0), (0.0, 10.0), (1e-3, 1e4)])
+def test_a_uniform_sites_support_check_is_decided_by_its_transform(low, high):
+    """A ``Uniform(low, high)`` site reaches its distribution as ``low + (high - low) *
+    clamp(sigmoid(z), tiny, 1 - eps)``, computed in float32 strictly inside ``[low, high)``, so
+    its ``low <= value < high`` check (two comparisons, two casts, a product and a log in
+    every gradient) is decided; the gradient equals Pyro's, also where the clamp is active
+    (|z| = 30)."""
+    flat = from_model(*_prior_of(dist.Uniform(low, high)))
+    engine = GradientEngine(flat)
+    targets = {n.target for n in engine._graph.graph.nodes if n.op == "call_function"}
+    assert not targets & {torch.ops.aten.le.Tensor, torch.ops.aten.gt.Tensor, torch.ops.aten.log.default}
+    points = [torch.tensor([v]) for v in (-30.0, -3.0, 0.0, 2.0, 30.0)]
+    _assert_engine_matches_eager(engine, points, torch.stack(points), rtol=1e-5, atol=1e-5)
+
+
 _CUMPROD_ZERO_GUARD = {torch.ops.aten.eq.Scalar, torch.ops.aten.scatter.value, torch.ops.aten.scatter_.value,
                        torch.ops.aten.max.dim, torch.ops.aten.gather.default}
 
