@@ -2010,10 +2010,10 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
     low) * clamp(sigmoid(x), ...)`` for a ``Uniform`` site, ``clamp(tanh(x), -1 + eps, 1 -
     eps)`` for a correlation matrix), so the gradients' guards against zeros, and the support
     checks, are decided. ``-``, ``+``, ``*`` and ``sqrt`` are correctly rounded, so monotone
-    in each operand (for operands of one sign): their bounds are the op at the corners of the
-    operands' ranges, computed in the dtype as the graph computes it, and so exact; ``log``'s
-    (within a unit in the last place) and ``addcmul``'s (fused or not) are widened by two
-    units. Every bound is widened by the dtype's smallest normal number too (results that
+    in each operand: their bounds are the op at the corners of the operands' ranges,
+    computed in the dtype as the graph computes it, and so exact; ``log``'s (within a unit
+    in the last place) are widened by two units, and ``addcmul``'s product (fused with the
+    sum or not) by one. Every bound is widened by the dtype's smallest normal number too (results that
     underflow, or are flushed to zero). Numbers are taken in the dtype, as the ops take them
     (:func:`_in_dtype`). Nodes whose memory an in-place op writes get no range: their values
     change."""
@@ -2029,9 +2029,9 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
         info = torch.finfo(dtype)
         return tuple(b + sign * (ulps * info.eps * abs(b) + info.tiny) for b, sign in zip(bounds, (-1, 1)))
 
-    def corners(fn, dtype, a, b):
+    def corners(fn, dtype, a, b):  # (None where one is NaN: min and max would pass it over)
         values = [computed(fn, dtype, x, y) for x in a for y in b]
-        return min(values), max(values)
+        return None if any(math.isnan(v) for v in values) else (min(values), max(values))
 
     def hull(*found):
         return None if any(r is None for r in found) else (min(r[0] for r in found), max(r[1] for r in found))
@@ -2069,8 +2069,8 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
             found = widened((computed(operator.sub, dtype, c, hi), computed(operator.sub, dtype, c, lo)), dtype)
         elif target is aten.pow.Tensor_Scalar and args[1] == 2 and of(args[0], dtype) is not None:
             lo, hi = of(args[0], dtype)
-            low, high = corners(operator.mul, dtype, (lo, hi), (lo, hi))
-            found = widened((0.0 if lo <= 0 <= hi else low, high), dtype)
+            squares = corners(operator.mul, dtype, (lo, hi), (lo, hi))
+            found = None if squares is None else widened((0.0 if lo <= 0 <= hi else squares[0], squares[1]), dtype)
         elif target is aten.sqrt.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] >= 0:
             lo, hi = of(args[0], dtype)
             found = widened((computed(torch.sqrt, dtype, max(lo, 0.0)), computed(torch.sqrt, dtype, hi)), dtype)
@@ -2078,9 +2078,9 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
             found = widened(corners(operator.add if target is aten.add.Tensor else operator.mul, dtype,
                                     of(args[0], dtype), of(args[1], dtype)), dtype)
         elif target is aten.addcmul.default and len(args) == 3 and None not in (of(a, dtype) for a in args):
-            product = widened(corners(operator.mul, dtype, of(args[1], dtype), of(args[2], dtype)), dtype)
-            total = None if product is None else corners(operator.add, dtype, of(args[0], dtype), product)
-            found = widened(total, dtype, ulps=2)  # (a fused multiply-add rounds once)
+            # the product widened by a unit, which a fused multiply-add adds unrounded
+            product = widened(corners(operator.mul, dtype, of(args[1], dtype), of(args[2], dtype)), dtype, ulps=1)
+            found = widened(None if product is None else corners(operator.add, dtype, of(args[0], dtype), product), dtype)
         elif target is aten.log.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] > 0:
             lo, hi = of(args[0], dtype)  # (log(0) is -inf; of a negative number NaN)
             found = widened((math.log(lo) if lo > 0 else -math.inf, math.log(hi)), dtype, ulps=2)
