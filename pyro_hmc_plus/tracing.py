@@ -1986,10 +1986,8 @@ _COMPARISON_OPS = {getattr(getattr(aten, name), overload) for name in _DECIDED_C
 # ops whose every value lies in a fixed range, whatever their input (NaN aside)
 _BOUNDED = {aten.exp.default: (0.0, math.inf), aten.sigmoid.default: (0.0, 1.0), aten.tanh.default: (-1.0, 1.0)}
 # ops whose values are some of their first input's
-_SAME_VALUES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
-                aten.slice.Tensor, aten.select.int, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-                aten.unsqueeze.default, aten.permute.default, aten.t.default, aten.transpose.int, aten.flip.default,
-                aten.clone.default, aten.diagonal.default}
+_SAME_VALUES = _RESHAPES | _PERMUTES | {aten.slice.Tensor, aten.select.int, aten.flip.default, aten.clone.default,
+                                        aten.diagonal.default}
 
 
 _VALUES_WITHOUT_KWARGS = set(_BOUNDED) | _SHAPE_ONLY | _SAME_VALUES  # (dtype, device, memory_format, ...)
@@ -2013,10 +2011,10 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
     in each operand: their bounds are the op at the corners of the operands' ranges,
     computed in the dtype as the graph computes it, and so exact; ``log``'s (within a unit
     in the last place) are widened by two units, and ``addcmul``'s product (fused with the
-    sum or not) by one. Every bound is widened by the dtype's smallest normal number too (results that
-    underflow, or are flushed to zero). Numbers are taken in the dtype, as the ops take them
-    (:func:`_in_dtype`). Nodes whose memory an in-place op writes get no range: their values
-    change."""
+    sum or not) by one. Every bound is widened by the dtype's smallest normal number too
+    (results that underflow, or are flushed to zero). Numbers are taken in the dtype, as the
+    ops take them (:func:`_in_dtype`). Nodes whose memory an in-place op writes get no
+    range: their values change."""
     written = _written_storage(gm.graph.nodes)
     ranges = {}
 
@@ -2047,6 +2045,7 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
         if node in written or not (torch.is_tensor(value) and value.is_floating_point()):
             continue
         target, args, dtype, found = node.target, node.args, value.dtype, None
+        first = of(args[0], dtype) if args else None  # the first operand's range
         if node.op == "get_attr":
             if value.numel() and not value.isnan().any():
                 found = float(value.min()), float(value.max())
@@ -2058,36 +2057,36 @@ def _value_ranges(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, Tuple[float, 
             fill = _SHAPE_ONLY_FILL[target]
             found = of(fill(args) if callable(fill) else fill, dtype)
         elif target in _SAME_VALUES:
-            found = of(args[0], dtype)
+            found = first
         elif target is aten.clamp.default:  # (an input of unknown range: the bounds')
-            lo, hi = of(args[0], dtype) or (-math.inf, math.inf)
+            lo, hi = first or (-math.inf, math.inf)
             low, high = (list(args[1:]) + [None, None])[:2]
             found = (lo if low is None else max(lo, _in_dtype(low, dtype)),
                      hi if high is None else min(hi, _in_dtype(high, dtype)))
-        elif target is aten.rsub.Scalar and len(args) == 2 and None not in (of(args[0], dtype), of(args[1], dtype)):
-            (lo, hi), (c, _) = of(args[0], dtype), of(args[1], dtype)
+        elif target is aten.rsub.Scalar and len(args) == 2 and None not in (first, of(args[1], dtype)):
+            (lo, hi), (c, _) = first, of(args[1], dtype)
             found = widened((computed(operator.sub, dtype, c, hi), computed(operator.sub, dtype, c, lo)), dtype)
-        elif target is aten.pow.Tensor_Scalar and args[1] == 2 and of(args[0], dtype) is not None:
-            lo, hi = of(args[0], dtype)
+        elif target is aten.pow.Tensor_Scalar and args[1] == 2 and first is not None:
+            lo, hi = first
             squares = corners(operator.mul, dtype, (lo, hi), (lo, hi))
             found = None if squares is None else widened((0.0 if lo <= 0 <= hi else squares[0], squares[1]), dtype)
-        elif target is aten.sqrt.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] >= 0:
-            lo, hi = of(args[0], dtype)
+        elif target is aten.sqrt.default and first is not None and first[1] >= 0:
+            lo, hi = first
             found = widened((computed(torch.sqrt, dtype, max(lo, 0.0)), computed(torch.sqrt, dtype, hi)), dtype)
-        elif target in (aten.add.Tensor, aten.mul.Tensor) and None not in (of(args[0], dtype), of(args[1], dtype)):
+        elif target in (aten.add.Tensor, aten.mul.Tensor) and None not in (first, of(args[1], dtype)):
             found = widened(corners(operator.add if target is aten.add.Tensor else operator.mul, dtype,
-                                    of(args[0], dtype), of(args[1], dtype)), dtype)
+                                    first, of(args[1], dtype)), dtype)
         elif target is aten.addcmul.default and len(args) == 3 and None not in (of(a, dtype) for a in args):
             # the product widened by a unit, which a fused multiply-add adds unrounded
             product = widened(corners(operator.mul, dtype, of(args[1], dtype), of(args[2], dtype)), dtype, ulps=1)
-            found = widened(None if product is None else corners(operator.add, dtype, of(args[0], dtype), product), dtype)
-        elif target is aten.log.default and of(args[0], dtype) is not None and of(args[0], dtype)[1] > 0:
-            lo, hi = of(args[0], dtype)  # (log(0) is -inf; of a negative number NaN)
+            found = widened(None if product is None else corners(operator.add, dtype, first, product), dtype)
+        elif target is aten.log.default and first is not None and first[1] > 0:
+            lo, hi = first  # (log(0) is -inf; of a negative number NaN)
             found = widened((math.log(lo) if lo > 0 else -math.inf, math.log(hi)), dtype, ulps=2)
         elif target is aten.constant_pad_nd.default:
-            found = hull(of(args[0], dtype), of(args[2] if len(args) > 2 else 0.0, dtype))
+            found = hull(first, of(args[2] if len(args) > 2 else 0.0, dtype))
         elif target is aten.index_put.default and not (len(args) > 3 and args[3]):  # written, not added
-            found = hull(of(args[0], dtype), of(args[2], dtype))
+            found = hull(first, of(args[2], dtype))
         elif target is aten.where.self:
             found = hull(of(args[1], dtype), of(args[2], dtype))
         elif target in (aten.cat.default, aten.stack.default):
