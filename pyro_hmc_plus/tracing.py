@@ -760,23 +760,53 @@ def _scalars_as_tensors(graph) -> int:
                 continue
             with graph.insert_point_guard(node):
                 new_inputs = [inputs[0], graph.insertConstant(constant)] + inputs[2:]
-        replacement = graph.create(kind, new_inputs)
-        replacement.insertBefore(node)
-        replacement.output().setType(out)
-        node.output().replaceAllUsesWith(replacement.output())
-        node.destroy()
+        _replace_node(graph, node, kind, new_inputs)
         count += 1
     return count
 
 
+def _sums_as_differences(graph) -> int:
+    """Rewrite, in a TorchScript graph, ``add(a, b, alpha)`` of numbers (not booleans, which
+    ``sub`` refuses) as ``sub(a, b, -alpha)``; returns how many. The values are the same:
+    torch computes a subtraction as the addition with the negated ``alpha``, in the same
+    kernel. Why: Static Runtime (torch 2.13) runs ``add`` through the interpreter's generic
+    op, a fresh output every call, and ``sub`` as an out variant into its planned buffers:
+    ~0.2-0.4 µs less per op; an eight-schools NUTS chunk of 16 leapfrog steps has 177 of
+    them (0.43 -> 0.36 ms a call)."""
+    count = 0
+    for node in list(graph.nodes()):
+        if node.kind() != "aten::add" or node.inputsSize() != 3 or node.outputsSize() != 1:
+            continue
+        a, b, alpha = node.inputs()
+        out = node.output().type()
+        if (out.kind() != "TensorType" or out.scalarType() in (None, "Bool") or b.type().kind() != "TensorType"
+                or alpha.node().kind() != "prim::Constant" or alpha.type().kind() not in ("IntType", "FloatType")):
+            continue
+        with graph.insert_point_guard(node):
+            negated = graph.insertConstant(-alpha.toIValue())
+        _replace_node(graph, node, "aten::sub", [a, b, negated])
+        count += 1
+    return count
+
+
+def _replace_node(graph, node, kind: str, inputs: list) -> None:
+    """Put a ``kind`` op of ``inputs`` in ``node``'s place (one output, of ``node``'s type)."""
+    replacement = graph.create(kind, inputs)
+    replacement.insertBefore(node)
+    replacement.output().setType(node.output().type())
+    node.output().replaceAllUsesWith(replacement.output())
+    node.destroy()
+
+
 def _tidied(traced: torch.jit.ScriptFunction) -> torch.jit.ScriptFunction:
-    """``traced`` with :func:`_without_inner_tuples` and :func:`_scalars_as_tensors` applied
-    to a copy of its graph; ``traced`` itself where there is nothing to rewrite or torch
-    lacks the (private) graph API."""
+    """``traced`` with :func:`_without_inner_tuples`, :func:`_scalars_as_tensors` and
+    :func:`_sums_as_differences` applied to a copy of its graph; ``traced`` itself where
+    there is nothing to rewrite or torch lacks the (private) graph API."""
     try:
         graph = traced.graph.copy()
         without_tuples = _without_inner_tuples(graph)
-        if not (_scalars_as_tensors(graph) or without_tuples):
+        scalars = _scalars_as_tensors(graph)  # (before: it makes `n + 1` an add of two tensors)
+        if not (_sums_as_differences(graph) or scalars or without_tuples):
             return traced
         return torch._C._create_function_from_graph(traced.name, graph)
     except (AttributeError, RuntimeError, TypeError):

@@ -35,7 +35,7 @@ def test_private_entry_points_exist():
     assert callable(getattr(torch._C, "_create_function_from_graph", None))
     for name in ("copy", "insert_point_guard", "insertConstant", "create"):
         assert callable(getattr(torch._C.Graph, name, None)), name
-    for name in ("t", "insertBefore", "destroy", "inputsAt", "outputsSize"):
+    for name in ("t", "insertBefore", "destroy", "inputsAt", "inputsSize", "outputsSize"):
         assert callable(getattr(torch._C.Node, name, None)), name
     # taking apart the tuples inside a recorded program and dropping what nothing reads
     # (tracing._without_inner_tuples)

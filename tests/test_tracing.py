@@ -11,7 +11,7 @@ from pyro.infer.reparam import ProjectedNormalReparam
 
 from pyro_hmc_plus import HMC, NUTS, EngineFallbackWarning, SamplingWarning, GradientEngine, UntraceableModel, from_model, from_potential_fn
 import pyro_hmc_plus
-from pyro_hmc_plus import tracing
+from pyro_hmc_plus import _compile, tracing
 from pyro_hmc_plus.models import ar1_loop, sequential_plate_regression
 
 from helpers import assert_mean, assert_variance
@@ -2213,6 +2213,29 @@ def test_recorded_programs_take_numbers_as_tensors_of_their_operands_dtype():
                       and v.type().scalarType() != node.inputsAt(0).type().scalarType()
                       for v in list(node.inputs())[1:2])]
     assert numbers == ["aten::gt"]  # n > 1.5 (n / 2 divides by a long tensor: n's own dtype)
+
+
+def test_recorded_programs_subtract_instead_of_adding():
+    """Sums of numbers are recorded as ``sub`` with the negated ``alpha`` (Static Runtime
+    runs ``sub`` into its planned buffers and ``add`` not), with the same values, signed
+    zeros, infinities and NaNs, and dtypes, on the TorchScript program and on Static
+    Runtime; a sum of booleans (a logical or, which ``sub`` refuses) stays an ``add``."""
+    def fn(x, y, n, b):
+        return x + y, x + 2, torch.add(x, y, alpha=0.3), x - y, n + n, n + 1, torch.add(b, b)
+
+    x = torch.tensor([0.1, -0.0, float("inf"), float("nan"), -2.5, 1e30])
+    y = torch.tensor([0.2, -0.0, float("-inf"), 1.0, 2.5, 1e30])
+    n, b = torch.tensor([1, -2, 3]), torch.tensor([True, False, True])
+    program = tracing.to_torchscript(fn, (x, y, n, b))
+    ops = [node.kind() for node in program.graph.nodes() if node.kind().startswith("aten::")]
+    assert ops.count("aten::add") == 1 and ops.count("aten::sub") == 6
+    static = _compile.static_runtime(program, (x, y, n, b))
+    for run in (program, static):
+        for actual, expected in zip(run(x, y, n, b), fn(x, y, n, b)):
+            assert actual.dtype == expected.dtype and torch.equal(actual.isnan(), expected.isnan())
+            assert torch.equal(actual.nan_to_num(), expected.nan_to_num())
+            if actual.is_floating_point():
+                assert torch.equal(actual.signbit(), expected.signbit())
 
 
 def test_gradient_elements_measure_arithmetic_not_operations():
