@@ -635,6 +635,23 @@ def test_the_weights_of_two_leaves_sum_as_logsumexp_does():
     assert torch.allclose(_log_sum_exp(log_w, 2), torch.logsumexp(log_w, -1), atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_weights_of_more_leaves_sum_to_torchs_logsumexp_exactly(dtype):
+    """The log-sum-exp of 4-16 leaves, written as torch's own steps, gives torch's values
+    bit for bit: weights of every scale, some ``-inf`` (all of a subtree's, too), ``+inf``."""
+    from pyro_hmc_plus.nuts import _log_sum_exp
+
+    g = torch.Generator().manual_seed(0)
+    for num_leaves in (4, 8, 16):
+        log_w = torch.randn(400, num_leaves, generator=g, dtype=dtype) * torch.logspace(0, 3, 4, dtype=dtype).repeat(100)[:, None]
+        log_w[::7, : num_leaves // 2] = -float("inf")
+        log_w[::11] = -float("inf")
+        log_w[::13, 1] = float("inf")
+        expected = torch.logsumexp(log_w, -1)
+        assert torch.equal(_log_sum_exp(log_w, num_leaves), expected)
+        assert expected.isinf().any() and expected.isfinite().any()
+
+
 def test_u_turn_checks_of_all_blocks_match_stan_block_by_block():
     """The blocks' U-turn checks, made at once from one matrix of velocity-momentum dot
     products, equal Stan's three criteria evaluated block by block (``stan_tree``'s), and a
