@@ -765,26 +765,69 @@ def _scalars_as_tensors(graph) -> int:
     return count
 
 
-def _sums_as_differences(graph) -> int:
-    """Rewrite, in a TorchScript graph, ``add(a, b, alpha)`` of numbers (not booleans, which
-    ``sub`` refuses) as ``sub(a, b, -alpha)``; returns how many. The values are the same:
-    torch computes a subtraction as the addition with the negated ``alpha``, in the same
-    kernel. Why: Static Runtime (torch 2.13) runs ``add`` through the interpreter's generic
-    op, a fresh output every call, and ``sub`` as an out variant into its planned buffers:
-    ~0.2-0.4 µs less per op; an eight-schools NUTS chunk of 16 leapfrog steps has 177 of
-    them (0.43 -> 0.36 ms a call)."""
+# logical ops on tensors, as the bitwise ops they call
+_AS_BITWISE = {"aten::__and__": "aten::bitwise_and", "aten::__or__": "aten::bitwise_or"}
+
+
+def _ops_with_out_variants(graph) -> int:
+    """Rewrite, in a TorchScript graph, ops that Static Runtime (torch 2.13) runs through the
+    interpreter's generic op, into a fresh tensor at every call, as ops with the same values
+    that it runs into its planned buffers (out variants), ~0.1-0.4 µs less each; returns
+    how many:
+
+    - ``add(a, b, alpha)`` of numbers (not booleans, which ``sub`` refuses) as ``sub(a, b,
+      -alpha)``: torch computes a subtraction as the addition with the negated ``alpha``, in
+      the same kernel (an eight-schools NUTS chunk of 16 leapfrog steps has 177 sums: 0.43
+      -> 0.36 ms a call);
+    - ``a & b``, ``a | b`` of tensors as ``bitwise_and``, ``bitwise_or``, which they call
+      (a NUTS round of 4 chains has ~50, the U-turn and stopping rules' masks)."""
     count = 0
     for node in list(graph.nodes()):
-        if node.kind() != "aten::add" or node.inputsSize() != 3 or node.outputsSize() != 1:
+        kind = node.kind()
+        if node.outputsSize() != 1 or node.output().type().kind() != "TensorType":
             continue
-        a, b, alpha = node.inputs()
-        out = node.output().type()
-        if (out.kind() != "TensorType" or out.scalarType() in (None, "Bool") or b.type().kind() != "TensorType"
-                or alpha.node().kind() != "prim::Constant" or alpha.type().kind() not in ("IntType", "FloatType")):
+        inputs = list(node.inputs())
+        if kind in _AS_BITWISE and all(x.type().kind() == "TensorType" for x in inputs):
+            _replace_node(graph, node, _AS_BITWISE[kind], inputs)
+            count += 1
+        elif kind == "aten::add" and len(inputs) == 3 and node.output().type().scalarType() not in (None, "Bool"):
+            a, b, alpha = inputs
+            if (b.type().kind() != "TensorType" or alpha.node().kind() != "prim::Constant"
+                    or alpha.type().kind() not in ("IntType", "FloatType")):
+                continue
+            with graph.insert_point_guard(node):
+                negated = graph.insertConstant(-alpha.toIValue())
+            _replace_node(graph, node, "aten::sub", [a, b, negated])
+            count += 1
+    return count
+
+
+def _without_idle_conversions(graph) -> int:
+    """Drop, from a TorchScript graph, the conversions ``x.to(dtype)`` (or ``x.to(device,
+    dtype)``, ``x.to(other)``) that return ``x`` itself: to its own dtype on its own device,
+    not copying, no memory format asked; returns how many. Their readers read ``x``. Why:
+    sampler code converts values whatever their dtype (``n.to(torch.int64)`` of a count
+    that may be one already), and each conversion costs ~0.5-1 µs on Static Runtime (a
+    NUTS round of 4 chains had ~15). A conversion the program returns stays."""
+    returned = set()
+    for value in graph.outputs():
+        returned.add(value.unique())
+        if value.node().kind() == "prim::TupleConstruct":
+            returned.update(x.unique() for x in value.node().inputs())
+    count = 0
+    for node in list(graph.nodes()):
+        if node.kind() != "aten::to" or node.outputsSize() != 1 or node.inputsSize() not in (5, 6):
             continue
-        with graph.insert_point_guard(node):
-            negated = graph.insertConstant(-alpha.toIValue())
-        _replace_node(graph, node, "aten::sub", [a, b, negated])
+        inputs = list(node.inputs())
+        x, out = inputs[0].type(), node.output().type()
+        copy, memory_format = inputs[-2], inputs[-1]
+        if (node.output().unique() in returned or x.kind() != "TensorType" or out.kind() != "TensorType"
+                or x.scalarType() is None or x.scalarType() != out.scalarType() or x.device() is None
+                or x.device() != out.device() or copy.node().kind() != "prim::Constant" or copy.toIValue() is not False
+                or not memory_format.node().mustBeNone()):
+            continue
+        node.output().replaceAllUsesWith(inputs[0])
+        node.destroy()
         count += 1
     return count
 
@@ -799,14 +842,16 @@ def _replace_node(graph, node, kind: str, inputs: list) -> None:
 
 
 def _tidied(traced: torch.jit.ScriptFunction) -> torch.jit.ScriptFunction:
-    """``traced`` with :func:`_without_inner_tuples`, :func:`_scalars_as_tensors` and
-    :func:`_sums_as_differences` applied to a copy of its graph; ``traced`` itself where
-    there is nothing to rewrite or torch lacks the (private) graph API."""
+    """``traced`` with :func:`_without_inner_tuples`, :func:`_scalars_as_tensors`,
+    :func:`_ops_with_out_variants` and :func:`_without_idle_conversions` applied to a copy
+    of its graph; ``traced`` itself where there is nothing to rewrite or torch lacks the
+    (private) graph API."""
     try:
         graph = traced.graph.copy()
-        without_tuples = _without_inner_tuples(graph)
-        scalars = _scalars_as_tensors(graph)  # (before: it makes `n + 1` an add of two tensors)
-        if not (_sums_as_differences(graph) or scalars or without_tuples):
+        rewrites = [_without_inner_tuples(graph), _without_idle_conversions(graph),
+                    _scalars_as_tensors(graph),  # (before: it makes `n + 1` an add of two tensors)
+                    _ops_with_out_variants(graph)]
+        if not any(rewrites):
             return traced
         return torch._C._create_function_from_graph(traced.name, graph)
     except (AttributeError, RuntimeError, TypeError):

@@ -35,8 +35,10 @@ def test_private_entry_points_exist():
     assert callable(getattr(torch._C, "_create_function_from_graph", None))
     for name in ("copy", "insert_point_guard", "insertConstant", "create"):
         assert callable(getattr(torch._C.Graph, name, None)), name
-    for name in ("t", "insertBefore", "destroy", "inputsAt", "inputsSize", "outputsSize"):
+    for name in ("t", "insertBefore", "destroy", "inputsAt", "inputsSize", "outputsSize", "mustBeNone"):
         assert callable(getattr(torch._C.Node, name, None)), name
+    for name in ("toIValue", "unique", "replaceAllUsesWith"):
+        assert callable(getattr(torch._C.Value, name, None)), name
     # taking apart the tuples inside a recorded program and dropping what nothing reads
     # (tracing._without_inner_tuples)
     for name in ("_jit_pass_lower_all_tuples", "_jit_pass_dce"):

@@ -2215,20 +2215,23 @@ def test_recorded_programs_take_numbers_as_tensors_of_their_operands_dtype():
     assert numbers == ["aten::gt"]  # n > 1.5 (n / 2 divides by a long tensor: n's own dtype)
 
 
-def test_recorded_programs_subtract_instead_of_adding():
-    """Sums of numbers are recorded as ``sub`` with the negated ``alpha`` (Static Runtime
-    runs ``sub`` into its planned buffers and ``add`` not), with the same values, signed
-    zeros, infinities and NaNs, and dtypes, on the TorchScript program and on Static
-    Runtime; a sum of booleans (a logical or, which ``sub`` refuses) stays an ``add``."""
+def test_recorded_programs_take_the_ops_static_runtime_runs_into_planned_buffers():
+    """Sums of numbers are recorded as ``sub`` with the negated ``alpha``, and ``&``, ``|``
+    as ``bitwise_and``, ``bitwise_or`` (Static Runtime runs these into its planned buffers,
+    the others not), with the same values, signed zeros, infinities and NaNs, and dtypes,
+    on the TorchScript program and on Static Runtime; a sum of booleans (a logical or,
+    which ``sub`` refuses) stays an ``add``."""
     def fn(x, y, n, b):
-        return x + y, x + 2, torch.add(x, y, alpha=0.3), x - y, n + n, n + 1, torch.add(b, b)
+        return (x + y, x + 2, torch.add(x, y, alpha=0.3), x - y, n + n, n + 1, torch.add(b, b), b & (x > 0),
+                b | (y > 0))
 
     x = torch.tensor([0.1, -0.0, float("inf"), float("nan"), -2.5, 1e30])
     y = torch.tensor([0.2, -0.0, float("-inf"), 1.0, 2.5, 1e30])
-    n, b = torch.tensor([1, -2, 3]), torch.tensor([True, False, True])
+    n, b = torch.tensor([1, -2, 3, 4, 5, 6]), torch.tensor([True, False, True, False, True, False])
     program = tracing.to_torchscript(fn, (x, y, n, b))
     ops = [node.kind() for node in program.graph.nodes() if node.kind().startswith("aten::")]
     assert ops.count("aten::add") == 1 and ops.count("aten::sub") == 6
+    assert {"aten::bitwise_and", "aten::bitwise_or"} <= set(ops) and not {"aten::__and__", "aten::__or__"} & set(ops)
     static = _compile.static_runtime(program, (x, y, n, b))
     for run in (program, static):
         for actual, expected in zip(run(x, y, n, b), fn(x, y, n, b)):
@@ -2236,6 +2239,21 @@ def test_recorded_programs_subtract_instead_of_adding():
             assert torch.equal(actual.nan_to_num(), expected.nan_to_num())
             if actual.is_floating_point():
                 assert torch.equal(actual.signbit(), expected.signbit())
+
+
+def test_recorded_programs_drop_conversions_that_return_their_input():
+    """``n.to(torch.int64)`` of a long tensor and ``x.to(torch.float32)`` of a float one are
+    the tensors themselves: their readers read them directly. A conversion to another dtype
+    stays, and so does one the program returns."""
+    def fn(x, n):
+        return n.to(torch.int64) + 1, x.to(torch.float32) * 2, x.to(torch.float64), x.to(torch.float32), n.to(x)
+
+    x, n = torch.tensor([0.5, -1.5, 3.0]), torch.tensor([1, 2, 3])
+    program = tracing.to_torchscript(fn, (x, n))
+    conversions = [node for node in program.graph.nodes() if node.kind() == "aten::to"]
+    assert len(conversions) == 3  # to float64, the returned one, and n to x's dtype
+    for actual, expected in zip(program(x, n), fn(x, n)):
+        assert actual.dtype == expected.dtype and torch.equal(actual, expected)
 
 
 def test_gradient_elements_measure_arithmetic_not_operations():
