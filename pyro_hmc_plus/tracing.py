@@ -778,7 +778,8 @@ def _ops_with_out_variants(graph) -> int:
     - ``add(a, b, alpha)`` of numbers (not booleans, which ``sub`` refuses) as ``sub(a, b,
       -alpha)``: torch computes a subtraction as the addition with the negated ``alpha``, in
       the same kernel (an eight-schools NUTS chunk of 16 leapfrog steps has 177 sums: 0.43
-      -> 0.36 ms a call);
+      -> 0.36 ms a call); ``rsub(a, b, alpha)`` (``1 - x``) as the ``sub(b, a, alpha)`` it
+      calls;
     - ``a & b``, ``a | b`` of tensors as ``bitwise_and``, ``bitwise_or``, which they call
       (a NUTS round of 4 chains has ~50, the U-turn and stopping rules' masks)."""
     count = 0
@@ -790,14 +791,18 @@ def _ops_with_out_variants(graph) -> int:
         if kind in _AS_BITWISE and all(x.type().kind() == "TensorType" for x in inputs):
             _replace_node(graph, node, _AS_BITWISE[kind], inputs)
             count += 1
-        elif kind == "aten::add" and len(inputs) == 3 and node.output().type().scalarType() not in (None, "Bool"):
+        elif (kind in ("aten::add", "aten::rsub") and len(inputs) == 3
+              and node.output().type().scalarType() not in (None, "Bool")):
             a, b, alpha = inputs
             if (b.type().kind() != "TensorType" or alpha.node().kind() != "prim::Constant"
                     or alpha.type().kind() not in ("IntType", "FloatType")):
                 continue
-            with graph.insert_point_guard(node):
-                negated = graph.insertConstant(-alpha.toIValue())
-            _replace_node(graph, node, "aten::sub", [a, b, negated])
+            if kind == "aten::rsub":  # b - alpha * a, which torch computes as sub(b, a, alpha)
+                _replace_node(graph, node, "aten::sub", [b, a, alpha])
+            else:
+                with graph.insert_point_guard(node):
+                    negated = graph.insertConstant(-alpha.toIValue())
+                _replace_node(graph, node, "aten::sub", [a, b, negated])
             count += 1
     return count
 
@@ -842,10 +847,10 @@ def _replace_node(graph, node, kind: str, inputs: list) -> None:
 
 
 def _tidied(traced: torch.jit.ScriptFunction) -> torch.jit.ScriptFunction:
-    """``traced`` with :func:`_without_inner_tuples`, :func:`_scalars_as_tensors`,
-    :func:`_ops_with_out_variants` and :func:`_without_idle_conversions` applied to a copy
-    of its graph; ``traced`` itself where there is nothing to rewrite or torch lacks the
-    (private) graph API."""
+    """``traced`` with :func:`_without_inner_tuples`, :func:`_without_idle_conversions`,
+    :func:`_scalars_as_tensors` and :func:`_ops_with_out_variants` applied to a copy of its
+    graph; ``traced`` itself where there is nothing to rewrite or torch lacks the (private)
+    graph API."""
     try:
         graph = traced.graph.copy()
         rewrites = [_without_inner_tuples(graph), _without_idle_conversions(graph),

@@ -2216,21 +2216,22 @@ def test_recorded_programs_take_numbers_as_tensors_of_their_operands_dtype():
 
 
 def test_recorded_programs_take_the_ops_static_runtime_runs_into_planned_buffers():
-    """Sums of numbers are recorded as ``sub`` with the negated ``alpha``, and ``&``, ``|``
-    as ``bitwise_and``, ``bitwise_or`` (Static Runtime runs these into its planned buffers,
-    the others not), with the same values, signed zeros, infinities and NaNs, and dtypes,
-    on the TorchScript program and on Static Runtime; a sum of booleans (a logical or,
-    which ``sub`` refuses) stays an ``add``."""
+    """Sums of numbers are recorded as ``sub`` with the negated ``alpha``, ``1 - x`` as
+    ``sub`` with the operands swapped, and ``&``, ``|`` as ``bitwise_and``, ``bitwise_or``
+    (Static Runtime runs these into its planned buffers, the others not), with the same
+    values, signed zeros, infinities and NaNs, and dtypes, on the TorchScript program and
+    on Static Runtime; a sum of booleans (a logical or, which ``sub`` refuses) stays an
+    ``add``."""
     def fn(x, y, n, b):
         return (x + y, x + 2, torch.add(x, y, alpha=0.3), x - y, n + n, n + 1, torch.add(b, b), b & (x > 0),
-                b | (y > 0))
+                b | (y > 0), 1 - x, torch.rsub(x, y, alpha=0.3), 3 - n)
 
     x = torch.tensor([0.1, -0.0, float("inf"), float("nan"), -2.5, 1e30])
     y = torch.tensor([0.2, -0.0, float("-inf"), 1.0, 2.5, 1e30])
     n, b = torch.tensor([1, -2, 3, 4, 5, 6]), torch.tensor([True, False, True, False, True, False])
     program = tracing.to_torchscript(fn, (x, y, n, b))
     ops = [node.kind() for node in program.graph.nodes() if node.kind().startswith("aten::")]
-    assert ops.count("aten::add") == 1 and ops.count("aten::sub") == 6
+    assert ops.count("aten::add") == 1 and ops.count("aten::sub") == 9 and "aten::rsub" not in ops
     assert {"aten::bitwise_and", "aten::bitwise_or"} <= set(ops) and not {"aten::__and__", "aten::__or__"} & set(ops)
     static = _compile.static_runtime(program, (x, y, n, b))
     for run in (program, static):
