@@ -767,6 +767,7 @@ def _scalars_as_tensors(graph) -> int:
 
 # logical ops on tensors, as the bitwise ops they call
 _AS_BITWISE = {"aten::__and__": "aten::bitwise_and", "aten::__or__": "aten::bitwise_or"}
+_AS_SUBTRACTION = ("aten::add", "aten::rsub")
 
 
 def _ops_with_out_variants(graph) -> int:
@@ -785,14 +786,14 @@ def _ops_with_out_variants(graph) -> int:
     count = 0
     for node in list(graph.nodes()):
         kind = node.kind()
-        if node.outputsSize() != 1 or node.output().type().kind() != "TensorType":
+        if kind not in _AS_BITWISE and kind not in _AS_SUBTRACTION or node.outputsSize() != 1 \
+                or node.output().type().kind() != "TensorType":
             continue
         inputs = list(node.inputs())
         if kind in _AS_BITWISE and all(x.type().kind() == "TensorType" for x in inputs):
             _replace_node(graph, node, _AS_BITWISE[kind], inputs)
             count += 1
-        elif (kind in ("aten::add", "aten::rsub") and len(inputs) == 3
-              and node.output().type().scalarType() not in (None, "Bool")):
+        elif kind in _AS_SUBTRACTION and len(inputs) == 3 and node.output().type().scalarType() not in (None, "Bool"):
             a, b, alpha = inputs
             if (b.type().kind() != "TensorType" or alpha.node().kind() != "prim::Constant"
                     or alpha.type().kind() not in ("IntType", "FloatType")):
