@@ -191,6 +191,16 @@ class _AtenRecorder(TorchDispatchMode):
                 setattr(self.root, node.target, value)
                 node.meta["val"] = value
 
+    def _keep_metadata(self, tensor: torch.Tensor):
+        """Before an op changes ``tensor``'s shape or strides in place (``squeeze_``, ``t_``:
+        torch's ``x @ A`` of a vector squeezes its product so), the node that computed it
+        keeps a view with the metadata it had: the passes read a node's shape from its value,
+        and took the squeeze after the product for a no-op (``x @ A @ x`` then failed in
+        ``dot`` with a matrix, and the potential ran on eager autograd)."""
+        node = self._node_of.get(id(tensor))
+        if node is not None:
+            node.meta["val"] = tensor.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _draws_random_numbers(func):
@@ -209,6 +219,8 @@ class _AtenRecorder(TorchDispatchMode):
                 args = (self.__torch_dispatch__(aten.expand.default, types, (args[0], list(shape))),) + args[1:]
         node_args, node_kwargs = _map_tensors(self.node_for, (args, kwargs))
         self._keep_constant_values([t for t in _written_arguments(func, args, kwargs) if torch.is_tensor(t)])
+        if torch.Tag.inplace_view in func.tags:
+            self._keep_metadata(args[0])
         out = func(*args, **kwargs)
         # Not followed: the outcome of torch.distributions' validation of values computed from
         # the latent variables (``if not torch._is_all_true(valid): raise ValueError``), which

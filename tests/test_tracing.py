@@ -531,6 +531,22 @@ def test_programs_are_recorded_with_the_gradient_inlined():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_vector_times_a_matrix_times_the_vector_traces():
+    """torch computes ``x @ A`` of a vector as the product of a one-row matrix, squeezed in
+    place (``squeeze_``). The recorder kept the product's value, squeezed since, as its
+    shape; a pass took the squeeze for a no-op, and ``0.5 * x @ A @ x`` (a Gaussian written
+    by hand) failed its check and ran on eager autograd after a warning."""
+    A = torch.tensor([[2.0, 0.3, 0.0], [0.3, 1.0, 0.2], [0.0, 0.2, 0.5]])
+    flat = from_potential_fn(lambda p: 0.5 * p["x"] @ A @ p["x"], {"x": torch.zeros(3)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(flat)
+    assert engine.name == "trace"
+    z = torch.tensor([0.3, -0.2, 0.5])
+    U, g = engine.value_and_grad(z)
+    assert torch.allclose(U, 0.5 * z @ A @ z) and torch.allclose(g, A @ z)
+
+
 @pytest.mark.parametrize("kernel_class", [NUTS, lambda model: HMC(model, num_steps=4)], ids=["NUTS", "HMC"])
 def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_draws(kernel_class, monkeypatch):
     """A gradient of more than MAX_INLINED_GRADIENT_OPS operations (lowered here to below the
