@@ -10,8 +10,9 @@ Engines (``engine=`` on the kernels):
     doubling) with the gradient inlined, as one ``torch.jit.trace`` program, run on the
     CPU by Static Runtime (:func:`pyro_hmc_plus._compile.static_runtime`). Ready in a
     fraction of a second. A gradient of more than :data:`MAX_INLINED_GRADIENT_OPS`
-    operations (thousands: a loop of many sites whose steps the tracer could not vectorize)
-    is not inlined: it is one program, called by the sampler's functions run in Python.
+    operations (a loop of many sites whose steps the tracer could not vectorize) is not
+    inlined: it is one program of its own, which the sampler's programs call as one
+    operation.
 ``"aot"``
     The same graph compiled ahead of time to C++ by AOTInductor and kept in an on-disk
     cache (``$PYRO_HMC_PLUS_CACHE``, default ``~/.cache/pyro_hmc_plus``): the first run
@@ -22,7 +23,8 @@ Engines (``engine=`` on the kernels):
     The same graph compiled to C++ by TorchInductor in memory (:mod:`pyro_hmc_plus._compile`),
     every process anew.
 ``"eager"``
-    Pyro's potential and ``torch.autograd.grad`` at every step: always correct, slow.
+    Pyro's potential and ``torch.autograd.grad`` at every step: always correct, slow. The
+    sampler's programs around it are recorded all the same, calling it as one operation.
 ``"auto"`` (default)
     ``"trace"``, but a program already in the ``"aot"`` cache is loaded from it; falls back
     to ``"eager"``.
@@ -42,6 +44,8 @@ no engine can repair.
 from __future__ import annotations
 
 import functools
+import itertools
+import weakref
 from typing import Callable, Sequence
 
 import pyro
@@ -59,21 +63,21 @@ class EngineFallbackWarning(UserWarning):
 
 
 # A gradient of more operations than this is not inlined into the sampler's programs (a
-# NUTS doubling or an HMC transition of up to 16 leapfrog steps): recording and checking the
-# programs then costs more than it saves. Measured with NUTS on an AR(1) series written as a
-# Python loop of one site per step (models.ar1_loop at several lengths; the operation counts
-# of its graphs before tracing.vectorize_alike_ops), 1000 + 1000 draws: inlined programs were
-# faster at 135 operations (3.4 vs 5.0 s), about as fast at 237 (4.6 vs 5.0 s), slower from
-# 373 (11.9 vs 8.8 s; 68.6 vs 12.0 s at 3,433 and 100 + 100 draws). Measured again once the
-# programs called a gradient recorded once (GradientEngine._gradient_function), on ragged
-# groups with a plate each (500 + 500 draws): still slower inlined at 337 operations (7.6-7.9
-# vs 8.0-8.6 s) and 493 (17.6-19.8 vs 20.8-21.5 s).
-MAX_INLINED_GRADIENT_OPS = 300
-# The same for the rounds of many chains at once, whose bookkeeping (~850 operations a round)
-# costs more when run op by op in Python: 4 chains, 1000 + 1000 draws, inlined programs were
-# faster at 237 and 373 operations (6.0 vs 8.9 s, 8.3 vs 12.3 s), slower at 713 and 1,053
-# (16.0 vs 14.4 s, 37.1 vs 34.0 s).
-MAX_INLINED_BATCHED_GRADIENT_OPS = 500
+# NUTS doubling or an HMC transition of up to 16 leapfrog steps): the programs call it as one
+# operation (``_OPAQUE_GRADIENT``). Recording and checking an inlined program costs ~0.1 ms
+# per operation, 16 gradients' worth in a chunk, and inlining saves only the call's
+# overhead. Measured with NUTS, one chain, on ragged groups with a plate each, 1000 + 1000
+# draws, called against inlined: about as fast at 106 and 148 operations (3.23-3.44 vs
+# 3.30-3.34 s, 3.25-3.68 vs 3.18-3.39 s), faster at 229 (3.52-3.65 vs 3.89-4.14 s) and 309
+# (4.31-4.41 vs 5.03-5.05 s); with 300 + 300 draws, faster from 148 (1.29-1.33 vs 1.56-1.59 s).
+# The benchmark models' smaller gradients stay inlined: called, eight schools' 40 operations
+# took 1.10-1.14 against 0.99 s (500 + 500 draws).
+MAX_INLINED_GRADIENT_OPS = 150
+# The same for the rounds of many chains at once, where each gradient call serves every
+# chain: 4 chains, 500 + 500 draws, called against inlined: slower at 148 and 229 operations
+# (4.62-4.97 vs 4.25-4.43 s, 4.21-4.34 vs 4.04-4.18 s), faster at 309 (4.53-4.64 vs
+# 4.74-4.97 s).
+MAX_INLINED_BATCHED_GRADIENT_OPS = 300
 _PROGRAM_MISMATCH = "the recorded program disagrees with the same function run step by step on the traced gradient"
 
 
@@ -134,6 +138,26 @@ def with_autograd(fn: Callable) -> Callable:
     return run
 
 
+# The gradient of a program that does not inline it (the model's potential runs on eager
+# autograd, or its graph is too large to inline) is one operation of the recorded program:
+# ``pyro_hmc_plus::value_and_grad(z, engine)`` calls back into Python, into
+# ``GradientEngine._gradient_behind_programs`` of the engine registered under that number.
+# The sampler's bookkeeping around it (hundreds of small operations a NUTS doubling) then runs
+# on Static Runtime instead of op by op in Python.
+_ENGINES_BY_KEY = weakref.WeakValueDictionary()
+_ENGINE_KEYS = itertools.count()
+_OPAQUE_GRADIENT = torch.library.Library("pyro_hmc_plus", "DEF")
+_OPAQUE_GRADIENT.define("value_and_grad(Tensor z, int engine) -> (Tensor, Tensor)")
+
+
+@with_autograd  # Static Runtime runs its programs in inference mode
+def _opaque_value_and_grad(z: torch.Tensor, engine: int):
+    return _ENGINES_BY_KEY[engine]._gradient_behind_programs(z)
+
+
+_OPAQUE_GRADIENT.impl("value_and_grad", _opaque_value_and_grad, "CompositeExplicitAutograd")
+
+
 class GradientEngine:
     """Builds the sampler's programs for one flat potential.
 
@@ -164,6 +188,8 @@ class GradientEngine:
         self._gradient_programs = {}  # shape of z -> traced program of value_and_grad
         self._gradient_functions = {}  # shape of z -> TorchScript function of value_and_grad
         self._check_point_values = None  # see _at_check_points
+        self._key = next(_ENGINE_KEYS)  # see _around_opaque_gradient
+        _ENGINES_BY_KEY[self._key] = self
         if self.name != "eager":
             try:
                 with pyro.validation_enabled(False):
@@ -315,11 +341,11 @@ class GradientEngine:
         if max_inlined_gradient_ops is None:
             max_inlined_gradient_ops = MAX_INLINED_GRADIENT_OPS
         reference = self._reference(fn)
-        if self.name == "eager":
-            return self._eager(fn)
         # distinct copies (a tracer would merge two inputs that are the same tensor object),
         # contiguous (what compiled programs are called with: _compile._on_contiguous_inputs)
         examples = tuple(x.clone(memory_format=torch.contiguous_format) for x in example_inputs)
+        if self.name == "eager":
+            return self._around_opaque_gradient(fn, examples)
         key = self._aot_key(cache_key, examples) if self.use_aot_cache and cache_key is not None else None
         cached = self._load_cached(key) if key is not None else None
         if cached is not None:
@@ -331,7 +357,7 @@ class GradientEngine:
             if compiled is not None:
                 return compiled
         if self.gradient_ops > max_inlined_gradient_ops:
-            return lambda *xs: fn(self._value_and_grad_program, *xs)
+            return self._around_opaque_gradient(fn, examples)
         return self._traced_program(fn, examples, validation_inputs)
 
     @property
@@ -352,6 +378,41 @@ class GradientEngine:
             program = self._traced_program(lambda value_and_grad, x: value_and_grad(x), points[0], points)
             self._gradient_programs[shape] = program
         return program(z)
+
+    def _gradient_behind_programs(self, z: torch.Tensor):
+        """``value_and_grad(z)`` where programs do not inline it: eager autograd, or the
+        traced gradient as one program of its own."""
+        return self.eager_value_and_grad(z) if self._graph is None else self._value_and_grad_program(z)
+
+    def _around_opaque_gradient(self, fn, examples):
+        """``fn`` recorded around ``value_and_grad`` as one opaque operation (see
+        ``_OPAQUE_GRADIENT``) and run by Static Runtime: the gradient costs what it costs on
+        its own (eager autograd, or a large graph's program), and the sampler's bookkeeping
+        around it ~1 µs an operation instead of a Python call each (a NUTS transition of a
+        small model on eager autograd: ~0.3 ms less).
+
+        Checked at ``examples`` only: the bookkeeping is the functional core, recorded and
+        checked with inlined gradients everywhere else, and every check here costs the
+        program's gradients twice. ``fn`` runs in Python around the gradient instead where
+        Static Runtime is missing (not on the CPU): the TorchScript interpreter would turn a
+        ``KeyboardInterrupt`` inside the model into a ``RuntimeError``, and the run would lose
+        its draws."""
+        in_python = lambda *xs: fn(self._gradient_behind_programs, *xs)  # noqa: E731
+        key = self._key
+        opaque = lambda z: torch.ops.pyro_hmc_plus.value_and_grad(z, key)  # noqa: E731
+        try:
+            expected = in_python(*examples)  # first: builds the large graph's program outside the recording
+            traced = tracing.to_torchscript(lambda *xs: fn(opaque, *xs), examples)
+        except (tracing.UntraceableModel, tracing.TorchScriptDisabled):
+            return in_python
+        except (RuntimeError, ValueError) as e:
+            if not is_numerical_failure(e):
+                raise
+            return in_python  # the model fails at the example: nothing to record the program at
+        program = _compile.static_runtime(traced, examples)
+        if program is None or self._check(program, [(examples, expected)], _PROGRAM_MISMATCH) is not None:
+            return in_python
+        return program
 
     def _gradient_function(self, z: torch.Tensor):
         """``value_and_grad(z)`` for a program being recorded: a TorchScript function, one per
@@ -379,7 +440,7 @@ class GradientEngine:
             )
         except tracing.UntraceableModel as e:
             self._fall_back(f"{e}")
-            return self._eager(fn)
+            return self._around_opaque_gradient(fn, examples)
         except tracing.TorchScriptDisabled as e:
             return self._without_torchscript(fn, e)
         if traced is None:  # the model fails numerically at every example: run it eagerly

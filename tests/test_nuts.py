@@ -266,10 +266,15 @@ def test_fused_start_runs_where_it_pays(cheap, monkeypatch):
     # as if traced: a gradient touching 100 or a million tensor elements
     monkeypatch.setattr(GradientEngine, "gradient_elements", property(lambda self: 100 if cheap else 10**6))
     calls = []
-    first_doublings = nuts.first_doublings
-    monkeypatch.setattr(nuts, "first_doublings", lambda *args, **kw: calls.append(1) or first_doublings(*args, **kw))
     kernel = NUTS(potential_fn=lambda p: 0.5 * (p["x"] ** 2).sum(), step_size=0.4, adapt_step_size=False,
-                  adapt_mass_matrix=False, engine="eager")  # eager: every program call is a Python call
+                  adapt_mass_matrix=False, engine="eager")
+    fused_start = kernel._first_doublings_program
+
+    def counted():
+        program = fused_start()
+        return type(program)(lambda *leaves: calls.append(1) or program.flat(*leaves), program._out_structure)
+
+    monkeypatch.setattr(kernel, "_first_doublings_program", counted)
     run(kernel, 60, 0, initial_params={"x": torch.zeros(1)})
     depths = kernel.sample_stats[0]["tree_depth"]
     assert {1, 2, 3} <= set(depths)

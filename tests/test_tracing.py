@@ -547,6 +547,83 @@ def test_a_vector_times_a_matrix_times_the_vector_traces():
     assert torch.allclose(U, 0.5 * z @ A @ z) and torch.allclose(g, A @ z)
 
 
+def _branching_potential(evaluations: list, fail_beyond: float = math.inf):
+    """A potential that cannot be traced (a Python ``if`` on ``.item()`` of a latent value):
+    ``x**2`` halved or not by the sign of ``x[0]``; each evaluation appended to
+    ``evaluations``, and a numerical failure (as a Cholesky's) where ``|x[0]|`` passes
+    ``fail_beyond``."""
+
+    def potential(p):
+        x = p["x"]
+        evaluations.append(1)
+        if abs(x[0].item()) > fail_beyond:
+            raise torch.linalg.LinAlgError("made to fail")
+        return 0.5 * (x ** 2).sum() * (2.0 if x[0].item() > 0 else 1.0)
+
+    return potential
+
+
+def test_programs_around_eager_autograd_call_it_as_one_operation():
+    """On eager autograd the sampler's functions are still recorded, with the gradient as
+    one operation of the program (which calls back into Python): a call runs the potential
+    once per gradient, on both sides of its branch, and none of the function's Python, and
+    gives what the function gives run in Python."""
+    evaluations, python_runs = [], []
+    flat = from_potential_fn(_branching_potential(evaluations), {"x": torch.tensor([0.5, -1.0])})
+    with pytest.warns(EngineFallbackWarning, match="item"):
+        engine = GradientEngine(flat)
+
+    def two_steps(value_and_grad, z, eps):
+        python_runs.append(1)
+        U1, g1 = value_and_grad(z)
+        U2, g2 = value_and_grad(z - eps * g1)
+        return U1 + U2, g2
+
+    eps = torch.tensor(0.3)
+    program = engine.program(two_steps, (torch.tensor([0.5, -1.0]), eps))
+    runs, before = len(python_runs), len(evaluations)
+    for z in (torch.tensor([0.5, -1.0]), torch.tensor([-0.7, 0.2])):
+        U, g = program(z, eps)
+        assert len(python_runs) == runs and len(evaluations) == before + 2
+        expected_U, expected_g = two_steps(engine.eager_value_and_grad, z, eps)
+        assert torch.allclose(U, expected_U) and torch.allclose(g, expected_g)
+        runs, before = len(python_runs), len(evaluations)
+
+
+def test_errors_inside_a_model_on_eager_autograd_come_out_of_its_programs_as_they_are():
+    """Static Runtime, which runs the programs around the eager gradient, passes on what
+    the model raises unchanged (TorchScript's interpreter turns any error into a
+    ``RuntimeError``): a numerical failure is a divergence, and a ``KeyboardInterrupt``
+    stops the run with the draws made so far."""
+    evaluations = []
+    kernel = NUTS(potential_fn=_branching_potential(evaluations, fail_beyond=1.5))
+    pyro.set_rng_seed(0)
+    with pytest.warns(EngineFallbackWarning, match="item"):
+        mcmc = pyro_hmc_plus.MCMC(kernel, num_samples=300, warmup_steps=100, initial_params={"x": torch.zeros(2)},
+                                  disable_progbar=True, warn_on_problems=False)
+        mcmc.run()
+    diverging = kernel.sample_stats[0]["diverging"]
+    assert any(diverging) and not all(diverging)
+    assert mcmc.get_samples()["x"][:, 0].abs().max() <= 1.5
+
+    evaluations.clear()
+    interrupt_at = 600
+    potential = _branching_potential(evaluations)
+
+    def interrupted(p):
+        if len(evaluations) == interrupt_at:
+            raise KeyboardInterrupt
+        return potential(p)
+
+    kernel = NUTS(potential_fn=interrupted, engine="eager")
+    pyro.set_rng_seed(0)
+    with pytest.warns(RuntimeWarning, match="sampling interrupted in chain 0 of 1"):
+        mcmc = pyro_hmc_plus.MCMC(kernel, num_samples=1000, warmup_steps=50, initial_params={"x": torch.zeros(2)},
+                                  disable_progbar=True)
+        mcmc.run()
+    assert 0 < len(mcmc.get_samples()["x"]) < 1000 and len(evaluations) == interrupt_at
+
+
 @pytest.mark.parametrize("kernel_class", [NUTS, lambda model: HMC(model, num_steps=4)], ids=["NUTS", "HMC"])
 def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_draws(kernel_class, monkeypatch):
     """A gradient of more than MAX_INLINED_GRADIENT_OPS operations (lowered here to below the
