@@ -369,6 +369,17 @@ def trace(fn, example_inputs, check_escapes: bool = True, fake: bool = False) ->
         raise e
     except Exception as e:  # tracing failures come in many types; all mean "not traceable"
         raise UntraceableModel(f"tracing failed: {type(e).__name__}: {e}") from e
+    try:
+        return _simplified(gm, fake)
+    except Exception as e:  # a failure of the passes below: the eager path is still correct
+        raise UntraceableModel(
+            f"simplifying the traced graph failed ({type(e).__name__}: {e}); this is a bug of "
+            "pyro_hmc_plus, please report it with the model"
+        ) from e
+
+
+def _simplified(gm: _GraphInProgress, fake: bool) -> torch.fx.GraphModule:
+    """:func:`trace`'s recorded graph, folded and simplified by the passes below."""
     for graph_pass in (
         fold_constants,
         writes_out_of_place,  # (after the aliases fold_constants drops: a write into a `detach` is a write into a view)

@@ -531,20 +531,42 @@ def test_programs_are_recorded_with_the_gradient_inlined():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_a_vector_times_a_matrix_times_the_vector_traces():
+_QUADRATIC_FORM = torch.tensor([[2.0, 0.3, 0.0], [0.3, 1.0, 0.2], [0.0, 0.2, 0.5]])
+
+
+@pytest.mark.parametrize("quadratic_form", [
+    lambda x: 0.5 * x @ _QUADRATIC_FORM @ x,
+    lambda x: 0.5 * (_QUADRATIC_FORM @ x.clone().unsqueeze_(1)).squeeze_(1).dot(x),
+], ids=["x @ A @ x", "squeeze_"])
+def test_an_op_that_reshapes_its_argument_in_place_traces(quadratic_form):
     """torch computes ``x @ A`` of a vector as the product of a one-row matrix, squeezed in
     place (``squeeze_``). The recorder kept the product's value, squeezed since, as its
     shape; a pass took the squeeze for a no-op, and ``0.5 * x @ A @ x`` (a Gaussian written
-    by hand) failed its check and ran on eager autograd after a warning."""
-    A = torch.tensor([[2.0, 0.3, 0.0], [0.3, 1.0, 0.2], [0.0, 0.2, 0.5]])
-    flat = from_potential_fn(lambda p: 0.5 * p["x"] @ A @ p["x"], {"x": torch.zeros(3)})
+    by hand) failed its check and ran on eager autograd after a warning. Written by the user
+    (``squeeze_(1)`` of the product), the passes failed with an ``IndexError``."""
+    flat = from_potential_fn(lambda p: quadratic_form(p["x"]), {"x": torch.zeros(3)})
     with warnings.catch_warnings():
         warnings.simplefilter("error", EngineFallbackWarning)
         engine = GradientEngine(flat)
     assert engine.name == "trace"
     z = torch.tensor([0.3, -0.2, 0.5])
     U, g = engine.value_and_grad(z)
-    assert torch.allclose(U, 0.5 * z @ A @ z) and torch.allclose(g, A @ z)
+    assert torch.allclose(U, 0.5 * z @ _QUADRATIC_FORM @ z) and torch.allclose(g, _QUADRATIC_FORM @ z)
+
+
+def test_a_failure_of_the_graph_passes_falls_back_to_eager_autograd(monkeypatch):
+    """An error inside the passes that simplify the recorded graph (a bug of this package,
+    like the one above) is no reason to stop the user's run: the model runs on eager
+    autograd, after a warning that says so."""
+
+    def failing(gm, recompile=True):
+        raise IndexError("made to fail")
+
+    monkeypatch.setattr(tracing, "simplify", failing)
+    flat = from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.zeros(3)})
+    with pytest.warns(EngineFallbackWarning, match=r"simplifying the traced graph failed \(IndexError: made to fail\)"):
+        engine = GradientEngine(flat)
+    assert engine.name == "eager"
 
 
 def _branching_potential(evaluations: list, fail_beyond: float = math.inf):
