@@ -17,7 +17,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from . import adaptation, chain_batch, nuts, potential, rounds
 from ._warn import warn_user
-from .engine import GradientEngine, is_numerical_failure, with_autograd
+from .engine import MAX_INLINED_HMC_GRADIENT_OPS, GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
 from .inference_data import SamplingWarning, chain_diagnostics, listing
 from .integrator import IntegratorState, leapfrog
@@ -742,7 +742,8 @@ class HMC(MCMCKernel):
             state = IntegratorState(z, r, U, g)
             return tuple(leapfrog(value_and_grad, state, step_size, inverse_mass, num_steps))
 
-        return self._program(("leapfrog", num_steps), block, self._validation_inputs)
+        return self._program(("leapfrog", num_steps), block, self._validation_inputs,
+                             max_inlined_gradient_ops=MAX_INLINED_HMC_GRADIENT_OPS)
 
     def _transition_program(self, num_steps: int):
         """The whole transition (momentum, ``num_steps`` leapfrog steps, Metropolis test) as
@@ -765,7 +766,8 @@ class HMC(MCMCKernel):
                 for z, r, U, g, eps, inv_mass in self._validation_inputs()
             ]
 
-        return self._program(("transition", num_steps), transition, validation)
+        return self._program(("transition", num_steps), transition, validation,
+                             max_inlined_gradient_ops=MAX_INLINED_HMC_GRADIENT_OPS)
 
     def _program(self, key, fn, make_validation_inputs, max_inlined_gradient_ops=None):
         """The cached program ``key`` computing ``fn(value_and_grad, *args)``, where the
