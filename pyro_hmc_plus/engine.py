@@ -63,28 +63,20 @@ class EngineFallbackWarning(UserWarning):
 
 
 # A gradient of more operations than this is not inlined into the sampler's programs (a
-# NUTS doubling or an HMC transition of up to 16 leapfrog steps): the programs call it as one
-# operation (``_OPAQUE_GRADIENT``). Recording and checking an inlined program costs ~0.1 ms
-# per operation, 16 gradients' worth in a chunk, and inlining saves only the call's
-# overhead. Measured with NUTS, one chain, on ragged groups with a plate each, 1000 + 1000
-# draws, called against inlined: about as fast at 106 and 148 operations (3.23-3.44 vs
-# 3.30-3.34 s, 3.25-3.68 vs 3.18-3.39 s), faster at 229 (3.52-3.65 vs 3.89-4.14 s) and 309
-# (4.31-4.41 vs 5.03-5.05 s); with 300 + 300 draws, faster from 148 (1.29-1.33 vs 1.56-1.59 s).
-# The benchmark models' smaller gradients stay inlined: called, eight schools' 40 operations
-# took 1.10-1.14 against 0.99 s (500 + 500 draws).
-MAX_INLINED_GRADIENT_OPS = 150
-# The same for HMC's programs (leapfrog blocks and whole transitions), which are few (one per
-# number of steps) and all steps: every call of the gradient as an operation costs ~15 µs
-# more than inlined, and HMC has no bookkeeping between steps to save. Measured with 10
-# steps, 500 + 500 draws, same models, called against inlined: slower at 229, 349 and 513
-# operations (4.18-4.23 vs 3.07-3.10 s, 7.58 vs 6.64 s, 14.78 vs 14.49 s), as fast at 907
-# (48.9 vs 48.2 s).
-MAX_INLINED_HMC_GRADIENT_OPS = 900
-# The same for the rounds of many chains at once, where each gradient call serves every
-# chain: 4 chains, 500 + 500 draws, called against inlined: slower at 148 and 229 operations
-# (4.62-4.97 vs 4.25-4.43 s, 4.21-4.34 vs 4.04-4.18 s), faster at 309 (4.53-4.64 vs
-# 4.74-4.97 s).
-MAX_INLINED_BATCHED_GRADIENT_OPS = 300
+# NUTS doubling or chunk, an HMC transition of up to 16 leapfrog steps, a round of many
+# chains): the programs call it as one operation (``_OPAQUE_GRADIENT``), ~4 µs a call more
+# than inlined, and recording and checking a program no longer costs ~0.1 ms per operation
+# of up to 16 gradients. Measured, called against inlined, on ragged groups with a plate
+# each, 500 + 500 draws: NUTS, one chain, faster at 106 and 148 operations (1.63-1.73 vs
+# 1.84-1.90 s, 1.85-1.92 vs 2.06-2.16 s), and on the AR(1) loop's 119 (2.08-2.10 vs
+# 2.30-2.31 s), as fast on eight schools' 40 and the hierarchical model's 67 (0.97-1.01 vs
+# 1.00-1.03 s, 1.79-1.86 vs 1.85-1.89 s); 4 vectorized NUTS chains as fast or faster at 106,
+# 148 and 229 (4.37-4.40 vs 4.41-4.54 s, 4.22-4.26 vs 4.32-4.38 s, 3.84-4.11 vs 4.20-4.40 s);
+# HMC with 10 steps as fast at 106, 229 and 349 (4.74-4.82 vs 4.85-4.93 s, 3.35-3.38 vs
+# 3.38-3.42 s, 7.12-7.15 vs 7.00-7.21 s). (Before the gradient was one operation of the
+# programs, the sampler's functions ran in Python around it, and the thresholds were 300
+# operations, 500 for the rounds of many chains.)
+MAX_INLINED_GRADIENT_OPS = 100
 _PROGRAM_MISMATCH = "the recorded program disagrees with the same function run step by step on the traced gradient"
 
 
@@ -157,7 +149,6 @@ _OPAQUE_GRADIENT = torch.library.Library("pyro_hmc_plus", "DEF")
 _OPAQUE_GRADIENT.define("value_and_grad(Tensor z, int engine) -> (Tensor, Tensor)")
 
 
-@with_autograd  # Static Runtime runs its programs in inference mode
 def _opaque_value_and_grad(z: torch.Tensor, engine: int):
     return _ENGINES_BY_KEY[engine]._gradient_behind_programs(z)
 
@@ -314,6 +305,7 @@ class GradientEngine:
             self._batched_graphs[n] = graph
         return self._batched_graphs[n]
 
+    @with_autograd  # also inside a program: Static Runtime runs its programs in inference mode
     def eager_value_and_grad(self, z: torch.Tensor):
         with pyro.validation_enabled(False):
             if z.dim() == 1:
@@ -327,16 +319,13 @@ class GradientEngine:
         example_inputs: Sequence[torch.Tensor],
         validation_inputs: Sequence[Sequence[torch.Tensor]] = (),
         cache_key: tuple = None,
-        max_inlined_gradient_ops: int = None,
     ) -> Callable:
         """A compiled (or eager) program computing ``fn(value_and_grad, *inputs)``.
 
         The gradient graph is inlined into the program wherever ``fn`` calls
-        ``value_and_grad``, unless it has more than ``max_inlined_gradient_ops`` operations
-        (default :data:`MAX_INLINED_GRADIENT_OPS`): then ``fn`` runs in Python around one
-        traced program of the gradient. Recording and checking a program costs ~0.1 ms per
-        operation, while inlining saves only the host's ~0.1 ms per call, a few percent of a
-        gradient of thousands of operations (at ~1 µs each).
+        ``value_and_grad``, unless it has more than :data:`MAX_INLINED_GRADIENT_OPS`
+        operations: then the program calls one traced program of the gradient as one
+        operation (:meth:`_around_opaque_gradient`).
 
         ``cache_key`` (hashable, its ``repr`` stable across processes) names ``fn`` among
         the sampler's functions, with every setting it depends on; with it, a program found
@@ -345,8 +334,6 @@ class GradientEngine:
         dtypes, and the source of this package.
         """
 
-        if max_inlined_gradient_ops is None:
-            max_inlined_gradient_ops = MAX_INLINED_GRADIENT_OPS
         reference = self._reference(fn)
         # distinct copies (a tracer would merge two inputs that are the same tensor object),
         # contiguous (what compiled programs are called with: _compile._on_contiguous_inputs)
@@ -363,7 +350,7 @@ class GradientEngine:
             compiled = self._compiled_program(fn, examples, key, reference, validation_inputs, skip_aot=cached is not None)
             if compiled is not None:
                 return compiled
-        if self.gradient_ops > max_inlined_gradient_ops:
+        if self.gradient_ops > MAX_INLINED_GRADIENT_OPS:
             return self._around_opaque_gradient(fn, examples)
         return self._traced_program(fn, examples, validation_inputs)
 

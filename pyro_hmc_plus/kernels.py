@@ -17,7 +17,7 @@ from pyro.infer.mcmc.mcmc_kernel import MCMCKernel
 
 from . import adaptation, chain_batch, nuts, potential, rounds
 from ._warn import warn_user
-from .engine import MAX_INLINED_HMC_GRADIENT_OPS, GradientEngine, is_numerical_failure, with_autograd
+from .engine import GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
 from .inference_data import SamplingWarning, chain_diagnostics, listing
 from .integrator import IntegratorState, leapfrog
@@ -742,8 +742,7 @@ class HMC(MCMCKernel):
             state = IntegratorState(z, r, U, g)
             return tuple(leapfrog(value_and_grad, state, step_size, inverse_mass, num_steps))
 
-        return self._program(("leapfrog", num_steps), block, self._validation_inputs,
-                             max_inlined_gradient_ops=MAX_INLINED_HMC_GRADIENT_OPS)
+        return self._program(("leapfrog", num_steps), block, self._validation_inputs)
 
     def _transition_program(self, num_steps: int):
         """The whole transition (momentum, ``num_steps`` leapfrog steps, Metropolis test) as
@@ -766,15 +765,13 @@ class HMC(MCMCKernel):
                 for z, r, U, g, eps, inv_mass in self._validation_inputs()
             ]
 
-        return self._program(("transition", num_steps), transition, validation,
-                             max_inlined_gradient_ops=MAX_INLINED_HMC_GRADIENT_OPS)
+        return self._program(("transition", num_steps), transition, validation)
 
-    def _program(self, key, fn, make_validation_inputs, max_inlined_gradient_ops=None):
+    def _program(self, key, fn, make_validation_inputs):
         """The cached program ``key`` computing ``fn(value_and_grad, *args)``, where the
         arguments and the result are (nested tuples of) tensors such as the core's state
         records. On first use it is traced and checked at the argument tuples that
-        ``make_validation_inputs()`` returns (the first also serves as the tracing example);
-        ``max_inlined_gradient_ops``: see :meth:`GradientEngine.program`."""
+        ``make_validation_inputs()`` returns (the first also serves as the tracing example)."""
         program = self._programs.get(key)
         if program is None:
             before = self._engine.name
@@ -792,8 +789,7 @@ class HMC(MCMCKernel):
                 flat_inputs.append([])
                 _flatten(args, flat_inputs[-1])
             cache_key = (type(self).__name__, key, self._program_settings())
-            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs, cache_key=cache_key,
-                                            max_inlined_gradient_ops=max_inlined_gradient_ops)
+            compiled = self._engine.program(flat_fn, flat_inputs[0], flat_inputs, cache_key=cache_key)
             program = _Program(compiled, out_structure)
             if self._engine.name != before:  # fell back: earlier programs are for the old engine
                 self._programs = {}

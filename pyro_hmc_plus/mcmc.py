@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from . import adaptation, chain_batch, rounds
 from ._warn import warn_user
 from .hmc import HMCState
-from .engine import MAX_INLINED_BATCHED_GRADIENT_OPS, EngineFallbackWarning, is_numerical_failure, with_autograd
+from .engine import EngineFallbackWarning, is_numerical_failure, with_autograd
 from .inference_data import chain_diagnostics, diagnose, require_draws, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, _warn_of_a_singular_dense_metric, one_step_energy_change
 from .nuts import select
@@ -497,8 +497,7 @@ class _VectorizedRun:
             return out
 
         self._eager_advance[kind] = lambda *xs: advance(self._safe_value_and_grad, *xs)
-        return k._program(("chains", self.C, T, kind) + k._chains_settings(), advance, validation,
-                          max_inlined_gradient_ops=MAX_INLINED_BATCHED_GRADIENT_OPS)
+        return k._program(("chains", self.C, T, kind) + k._chains_settings(), advance, validation)
 
     def _near(self, here: HMCState, generator: torch.Generator) -> HMCState:
         """A random point within +-2 of each chain's state (``here``), with its energy and

@@ -648,16 +648,14 @@ def test_errors_inside_a_model_on_eager_autograd_come_out_of_its_programs_as_the
 
 @pytest.mark.parametrize("kernel_class", [NUTS, lambda model: HMC(model, num_steps=4)], ids=["NUTS", "HMC"])
 def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_draws(kernel_class, monkeypatch):
-    """A gradient of more than MAX_INLINED_GRADIENT_OPS operations (HMC's programs:
-    MAX_INLINED_HMC_GRADIENT_OPS; both lowered here to below the AR(1) loop's) is not
-    inlined into the kernel's programs (recording them would cost seconds): it is one traced
-    program, which the kernel's programs call as one operation. The draws are those of the
-    inlined programs."""
+    """A gradient of more than MAX_INLINED_GRADIENT_OPS operations (lowered here to below the
+    AR(1) loop's) is not inlined into the kernel's programs (recording them would cost
+    seconds): it is one traced program, which the kernel's programs call as one operation.
+    The draws are those of the inlined programs."""
     y = torch.linspace(-1.0, 1.0, 10)
 
     def run(max_inlined_ops):
         monkeypatch.setattr(pyro_hmc_plus.engine, "MAX_INLINED_GRADIENT_OPS", max_inlined_ops)
-        monkeypatch.setattr(pyro_hmc_plus.kernels, "MAX_INLINED_HMC_GRADIENT_OPS", max_inlined_ops)
         pyro.set_rng_seed(0)
         kernel = kernel_class(ar1_loop)
         mcmc = MCMC(kernel, num_samples=20, warmup_steps=20, disable_progbar=True)
@@ -674,8 +672,8 @@ def test_a_large_gradient_is_one_program_called_by_the_sampler_with_the_same_dra
 
 
 def test_vectorized_chains_call_a_large_batched_gradient_with_the_same_draws(monkeypatch):
-    """The same for the rounds of many chains at once, with their own threshold (lowered here
-    so that eight schools' small gradient counts as large)."""
+    """The same for the rounds of many chains at once (the threshold lowered here so that
+    eight schools' small gradient counts as large)."""
 
     def run():
         pyro.set_rng_seed(0)
@@ -686,7 +684,7 @@ def test_vectorized_chains_call_a_large_batched_gradient_with_the_same_draws(mon
 
     engine, inlined = run()
     assert (3, 10) not in engine._gradient_programs
-    monkeypatch.setattr(pyro_hmc_plus.mcmc, "MAX_INLINED_BATCHED_GRADIENT_OPS", 0)
+    monkeypatch.setattr(pyro_hmc_plus.engine, "MAX_INLINED_GRADIENT_OPS", 0)
     engine, separate = run()
     assert (3, 10) in engine._gradient_programs  # the 3 chains' points at once
     for name, value in inlined.items():
