@@ -168,7 +168,7 @@ def _warn_of_flat_coordinates(layout: potential.SiteLayout, engine: GradientEngi
         )
 
 
-def _warn_of_a_singular_dense_metric(kernel: "HMC", block_mask: Optional[torch.Tensor]) -> None:
+def _warn_of_a_singular_dense_metric(kernel: "HMC", block_mask: typing.Optional[torch.Tensor]) -> None:
     """A :class:`SamplingWarning` before the run where the mass matrix's largest dense block
     (``block_mask`` (D, D), see :meth:`HMC._mass_structure`) has at least as many dimensions
     as warmup's last slow window has draws to estimate it from: the estimate is then
