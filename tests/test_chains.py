@@ -4,7 +4,6 @@ against exact posteriors and against sequential chains (MCSE tolerances, fixed s
 
 import functools
 import inspect
-import math
 import re
 import time
 import warnings
