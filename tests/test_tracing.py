@@ -1646,19 +1646,22 @@ _CUMPROD_ZERO_GUARD = {torch.ops.aten.eq.Scalar, torch.ops.aten.scatter.value, t
                        torch.ops.aten.max.dim, torch.ops.aten.gather.default}
 
 
-@pytest.mark.parametrize("prior, most_ops", [(dist.Dirichlet(torch.ones(4)), 50), (dist.LKJCholesky(3, 2.0), 75)])
+@pytest.mark.parametrize("prior, most_ops", [(dist.Dirichlet(torch.ones(4)), (50, 65)),
+                                              (dist.LKJCholesky(3, 2.0), (75, 90))])
 def test_the_zero_guard_of_cumprods_gradient_is_decided_by_the_transforms_clamps(prior, most_ops):
     """Pyro's simplex and correlation transforms take a ``cumprod`` of factors they clamp
     away from 0 (``1 - clamp(sigmoid(x), tiny, 1 - eps)``, ``sqrt(1 - clamp(tanh(x), ...) **
     2)``), whose gradient guards against zero factors with ~25 operations of masks, scans
     and scatters (76 and 101 operations in all before). The factors' ranges decide the
     guard: none of its operations is left, and the gradient equals Pyro's, also where the
-    clamps are active (|z| = 20: the factors at their smallest)."""
+    clamps are active (|z| = 20: the factors at their smallest). What is left of the
+    gradient without zeros differs between torch releases: 2.13 writes it as a reversed
+    cumulative sum (48 and 71 operations in all), 2.9 as products of slices (64 and 87)."""
     flat = from_model(*_prior_of(prior))
     engine = GradientEngine(flat)
     targets = [n.target for n in engine._graph.graph.nodes if n.op == "call_function"]
     assert not set(targets) & _CUMPROD_ZERO_GUARD
-    assert engine.gradient_ops <= most_ops
+    assert engine.gradient_ops <= most_ops[0 if torch.__version__ >= "2.13" else 1]
     gen = torch.Generator().manual_seed(2)
     points = [2 * torch.randn(flat.dim, generator=gen) for _ in range(4)]
     points += [torch.full((flat.dim,), 20.0), torch.full((flat.dim,), -20.0)]
