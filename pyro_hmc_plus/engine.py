@@ -426,7 +426,9 @@ class GradientEngine:
     def _traced_program(self, fn, examples, validation_inputs):
         """``fn`` recorded by ``torch.jit.trace`` (inlining the gradient graph wherever ``fn``
         calls ``value_and_grad``), run by Static Runtime, else by TorchScript, whichever first
-        agrees with :meth:`_reference` at ``validation_inputs``; the eager path if none does."""
+        agrees with :meth:`_reference` at ``validation_inputs``. If none does (or the model
+        cannot be traced), the engine falls back to eager autograd, and ``fn`` is recorded
+        around it as every later program is (:meth:`_around_opaque_gradient`)."""
         candidates = [examples] + [tuple(x.clone() for x in xs) for xs in validation_inputs[1:]]
         try:
             traced = self._first_that_runs(
@@ -444,7 +446,7 @@ class GradientEngine:
                 "(correct, several times slower)",
                 EngineFallbackWarning,
             )
-            return self._eager(fn)
+            return lambda *xs: fn(self.eager_value_and_grad, *xs)
         problem = None
         for program in (_compile.static_runtime(traced, examples), traced):  # the faster executor first
             if program is not None:
@@ -453,7 +455,7 @@ class GradientEngine:
                 if problem is None:
                     return program
         self._fall_back(problem)
-        return self._eager(fn)
+        return self._around_opaque_gradient(fn, examples)
 
     def _without_torchscript(self, fn, reason: Exception):
         """``fn`` run in Python on the traced gradient graph (:meth:`_reference`), where torch
@@ -467,9 +469,6 @@ class GradientEngine:
                 EngineFallbackWarning,
             )
         return self._reference(fn)
-
-    def _eager(self, fn):
-        return lambda *xs: fn(self.eager_value_and_grad, *xs)
 
     def _reference(self, fn):
         """What a program must agree with: ``fn`` run op by op on the gradient graph."""

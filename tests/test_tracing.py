@@ -612,6 +612,41 @@ def test_programs_around_eager_autograd_call_it_as_one_operation():
         runs, before = len(python_runs), len(evaluations)
 
 
+def test_a_program_that_disagrees_with_its_function_is_recorded_around_eager_autograd(monkeypatch):
+    """A recorded program that fails its check makes the engine fall back to eager
+    autograd, like a model it cannot trace; that program too is then recorded around the
+    eager gradient as one operation: its calls run none of the function's Python and give
+    what the function gives on eager autograd."""
+    check = GradientEngine._check
+
+    def failing_traced_programs(self, program, cases, message):
+        if self.name != "eager" and message == pyro_hmc_plus.engine._PROGRAM_MISMATCH:
+            return "a mismatch made up by the test"
+        return check(self, program, cases, message)
+
+    monkeypatch.setattr(GradientEngine, "_check", failing_traced_programs)
+    python_runs = []
+    engine = GradientEngine(from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.tensor([0.5, -1.0])}))
+
+    def two_steps(value_and_grad, z, eps):
+        python_runs.append(1)
+        U1, g1 = value_and_grad(z)
+        U2, g2 = value_and_grad(z - eps * g1)
+        return U1 + U2, g2
+
+    eps = torch.tensor(0.3)
+    with pytest.warns(EngineFallbackWarning, match="a mismatch made up by the test"):
+        program = engine.program(two_steps, (torch.tensor([0.5, -1.0]), eps))
+    assert engine.name == "eager"
+    runs = len(python_runs)
+    for z in (torch.tensor([0.5, -1.0]), torch.tensor([-0.7, 0.2])):
+        U, g = program(z, eps)
+        assert len(python_runs) == runs
+        expected_U, expected_g = two_steps(engine.eager_value_and_grad, z, eps)
+        runs = len(python_runs)
+        assert torch.allclose(U, expected_U) and torch.allclose(g, expected_g)
+
+
 def test_errors_inside_a_model_on_eager_autograd_come_out_of_its_programs_as_they_are():
     """Static Runtime, which runs the programs around the eager gradient, passes on what
     the model raises unchanged (TorchScript's interpreter turns any error into a
