@@ -585,6 +585,18 @@ def _branching_potential(evaluations: list, fail_beyond: float = math.inf):
     return potential
 
 
+def _two_leapfrog_like_steps(python_runs):
+    """A sampler-like function of two gradients that counts its runs in Python."""
+
+    def two_steps(value_and_grad, z, eps):
+        python_runs.append(1)
+        U1, g1 = value_and_grad(z)
+        U2, g2 = value_and_grad(z - eps * g1)
+        return U1 + U2, g2
+
+    return two_steps
+
+
 def test_programs_around_eager_autograd_call_it_as_one_operation():
     """On eager autograd the sampler's functions are still recorded, with the gradient as
     one operation of the program (which calls back into Python): a call runs the potential
@@ -594,13 +606,7 @@ def test_programs_around_eager_autograd_call_it_as_one_operation():
     flat = from_potential_fn(_branching_potential(evaluations), {"x": torch.tensor([0.5, -1.0])})
     with pytest.warns(EngineFallbackWarning, match="item"):
         engine = GradientEngine(flat)
-
-    def two_steps(value_and_grad, z, eps):
-        python_runs.append(1)
-        U1, g1 = value_and_grad(z)
-        U2, g2 = value_and_grad(z - eps * g1)
-        return U1 + U2, g2
-
+    two_steps = _two_leapfrog_like_steps(python_runs)
     eps = torch.tensor(0.3)
     program = engine.program(two_steps, (torch.tensor([0.5, -1.0]), eps))
     runs, before = len(python_runs), len(evaluations)
@@ -627,13 +633,7 @@ def test_a_program_that_disagrees_with_its_function_is_recorded_around_eager_aut
     monkeypatch.setattr(GradientEngine, "_check", failing_traced_programs)
     python_runs = []
     engine = GradientEngine(from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.tensor([0.5, -1.0])}))
-
-    def two_steps(value_and_grad, z, eps):
-        python_runs.append(1)
-        U1, g1 = value_and_grad(z)
-        U2, g2 = value_and_grad(z - eps * g1)
-        return U1 + U2, g2
-
+    two_steps = _two_leapfrog_like_steps(python_runs)
     eps = torch.tensor(0.3)
     with pytest.warns(EngineFallbackWarning, match="a mismatch made up by the test"):
         program = engine.program(two_steps, (torch.tensor([0.5, -1.0]), eps))
