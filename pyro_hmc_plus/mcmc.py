@@ -132,12 +132,13 @@ class MCMC(pyro.infer.MCMC):
             raise ValueError(f"hook_fn must be a function hook_fn(kernel, params, stage, i), got {hook_fn!r}")
         if initial_params:  # numbers and lists too, for every chain method
             initial_params = {k: torch.as_tensor(v) for k, v in initial_params.items()}
-        unbatched = [k for k, v in (initial_params or {}).items() if v.dim() == 0]
-        if num_chains > 1 and unbatched:  # Pyro's own check of the chain dimension fails with an IndexError
+        # Pyro's own check of the chain dimension names no site (and fails with an IndexError on a number)
+        unbatched = {k: tuple(v.shape) for k, v in (initial_params or {}).items() if v.dim() == 0 or len(v) != num_chains}
+        if num_chains > 1 and unbatched:
             raise ValueError(
-                f"initial_params {unbatched} have no chain dimension: with num_chains={num_chains}, give every "
-                f"site's unconstrained value a leading dimension of {num_chains}, one value per chain "
-                f"(e.g. value.expand({num_chains}, *value.shape))"
+                f"initial_params {list(unbatched)} (shapes {list(unbatched.values())}) have no chain dimension of "
+                f"{num_chains}: with num_chains={num_chains}, give every site's unconstrained value a leading "
+                f"dimension of {num_chains}, one value per chain (e.g. value.expand({num_chains}, *value.shape))"
             )
         self.chain_method = chain_method
         self.leaves_per_call = int(leaves_per_call)
@@ -161,11 +162,8 @@ class MCMC(pyro.infer.MCMC):
         if save_params is not None:
             kernel.save_params = save_params
         self._validate_kernel(initial_params)
-        if initial_params:
-            if num_chains > 1:
-                self._validate_initial_params(initial_params)
-            else:
-                initial_params = {k: v.unsqueeze(0) for k, v in initial_params.items()}
+        if initial_params and num_chains == 1:  # several chains' leading dimension is checked above
+            initial_params = {k: v.unsqueeze(0) for k, v in initial_params.items()}
         self._initial_params = initial_params
         self._hook = hook_fn
         self._diagnostics = [None] * num_chains
