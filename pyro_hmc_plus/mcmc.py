@@ -132,14 +132,14 @@ class MCMC(pyro.infer.MCMC):
             raise ValueError(f"hook_fn must be a function hook_fn(kernel, params, stage, i), got {hook_fn!r}")
         if initial_params:  # numbers and lists too, for every chain method
             initial_params = {k: torch.as_tensor(v) for k, v in initial_params.items()}
-        # Pyro's own check of the chain dimension names no site (and fails with an IndexError on a number)
-        unbatched = {k: tuple(v.shape) for k, v in (initial_params or {}).items() if v.dim() == 0 or len(v) != num_chains}
-        if num_chains > 1 and unbatched:
-            raise ValueError(
-                f"initial_params {list(unbatched)} (shapes {list(unbatched.values())}) have no chain dimension of "
-                f"{num_chains}: with num_chains={num_chains}, give every site's unconstrained value a leading "
-                f"dimension of {num_chains}, one value per chain (e.g. value.expand({num_chains}, *value.shape))"
-            )
+        if initial_params and num_chains > 1:  # Pyro's own check names no site (an IndexError on a number)
+            unbatched = {k: tuple(v.shape) for k, v in initial_params.items() if v.dim() == 0 or len(v) != num_chains}
+            if unbatched:
+                raise ValueError(
+                    f"initial_params {list(unbatched)} (shapes {list(unbatched.values())}) have no chain dimension "
+                    f"of {num_chains}: with num_chains={num_chains}, give every site's unconstrained value a leading "
+                    f"dimension of {num_chains}, one value per chain (e.g. value.expand({num_chains}, *value.shape))"
+                )
         self.chain_method = chain_method
         self.leaves_per_call = int(leaves_per_call)
         self.batch_utilisation = self.step_size = self.inverse_mass_matrix = self.warmup_samples = None
