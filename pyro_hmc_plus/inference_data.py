@@ -33,7 +33,7 @@ from pyro.infer import config_enumerate
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
-from .potential import element_name, is_factor, model_trace, unwrapped_distribution
+from .potential import element_name, is_factor, listing, model_trace, unwrapped_distribution
 from ._warn import warn_user
 
 ARVIZ_DIMS = ("chain", "draw")  # the dimensions ArviZ gives every draw
@@ -723,11 +723,6 @@ def diagnose(run, *, warn: bool = False) -> RunDiagnostics:
     if warn and problems:
         warn_user("sampling problems: " + "; ".join(problems) + ".", SamplingWarning)
     return report
-
-
-def listing(names: List[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def summary_table(samples: Dict[str, torch.Tensor], prob: float = 0.9):

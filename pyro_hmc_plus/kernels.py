@@ -19,7 +19,7 @@ from . import adaptation, chain_batch, nuts, potential, rounds
 from ._warn import warn_user
 from .engine import GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
-from .inference_data import SamplingWarning, chain_diagnostics, listing
+from .inference_data import SamplingWarning, chain_diagnostics
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
@@ -158,7 +158,7 @@ def _warn_of_flat_coordinates(layout: potential.SiteLayout, engine: GradientEngi
     names = potential.flat_coordinates(layout, gradients)
     if names:
         warn_user(
-            f"the potential energy does not depend on {listing(names)} (unconstrained coordinates; its "
+            f"the potential energy does not depend on {potential.listing(names)} (unconstrained coordinates; its "
             f"gradient there is 0 at {len(gradients)} points): the posterior is flat along them, so "
             "improper, and the sampler will run every trajectory to its maximum length without converging. Give "
             "them a density (a proper prior or a likelihood term) or leave them out of the model: a site has none "
@@ -225,19 +225,8 @@ def _check_the_models_sites(model, args, kwargs, flat: potential.FlatPotential, 
     (:func:`potential.data_broadcast_against_their_distributions`)."""
     runs = [(z, potential.trace_at(model, args, kwargs, flat, z)) for z in flat.probe_points()[1:]]
     runs = [(z, trace) for z, trace in runs if trace is not None]
-    for z, trace in runs:
-        absent, new = potential.sites_that_come_and_go(flat.layout, trace)
-        if absent or new:
-            change = " and ".join(f"{verb} {listing(names)}" for verb, names in
-                                  (("does not sample", absent), ("also samples", new)) if names)
-            raise ValueError(
-                f"the model's latent sites change with their values: at its initial values it samples "
-                f"{listing(list(flat.layout.names))}; at other values it {change} (a Python `if` or loop on a "
-                "latent value decides which sites exist). HMC and NUTS, Pyro's too, move one fixed set of sites, "
-                "so they cannot sample this model: sample every site at every point and let the value decide "
-                "how it is used (`torch.where`), or make the choice a discrete site that Pyro sums out "
-                "(`infer={'enumerate': 'parallel'}`)"
-            )
+    for _, trace in runs:
+        potential.check_the_same_sites(flat.layout, trace)
     if not runs:  # the model evaluates only at its initial values: nothing to compare
         return
     z, trace = runs[-1]

@@ -37,6 +37,12 @@ def element_name(name: str, index: Sequence[int]) -> str:
     return f"{name}[{','.join(map(str, index))}]" if len(index) else name
 
 
+def listing(names: List[str], limit: int = 5) -> str:
+    """The first ``limit`` of ``names``, and how many more, for a message."""
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 class SiteLayout(NamedTuple):
     """Where each latent site lives in the flat vector: ``z[..., offsets[i]:offsets[i]+sizes[i]]``."""
 
@@ -272,7 +278,7 @@ def from_model(
     layout = SiteLayout.of(init, batch_ndim=len(batch))
     zs = layout.pack({k: v.detach() for k, v in init.items()}, batch_shape=batch).reshape(-1, layout.dim)
     return FlatPotential(
-        potential_fn, layout, transforms, zs[0], source="model", initial_zs=zs,
+        _checking_the_sites(potential_fn, layout), layout, transforms, zs[0], source="model", initial_zs=zs,
         sites_not_finite_at=lambda unconstrained: sites_with_a_non_finite_log_density(
             model, model_args, model_kwargs or {},
             init_to_value(values={name: transforms[name].inv(u) for name, u in unconstrained.items()})),
@@ -559,6 +565,43 @@ def sites_that_come_and_go(layout: SiteLayout, trace) -> Tuple[List[str], List[s
     absent = [name for name in layout.names if name not in trace.nodes]
     new = [name for name in _continuous_latent_sites_of(trace) if name not in layout.names]
     return absent, new
+
+
+def check_the_same_sites(layout: SiteLayout, trace) -> None:
+    """A :class:`ValueError` where ``trace``, a run of the model at another point than the
+    initial one, samples other latent sites than ``layout`` (:func:`sites_that_come_and_go`):
+    HMC and NUTS, Pyro's too, cannot sample such a model. The message says what to write
+    instead."""
+    absent, new = sites_that_come_and_go(layout, trace)
+    if absent or new:
+        change = " and ".join(f"{verb} {listing(names)}" for verb, names in
+                              (("does not sample", absent), ("also samples", new)) if names)
+        raise ValueError(
+            f"the model's latent sites change with their values: at its initial values it samples "
+            f"{listing(list(layout.names))}; at other values it {change} (a Python `if` or loop on a "
+            "latent value decides which sites exist). HMC and NUTS, Pyro's too, move one fixed set of sites, "
+            "so they cannot sample this model: sample every site at every point and let the value decide "
+            "how it is used (`torch.where`), or make the choice a discrete site that Pyro sums out "
+            "(`infer={'enumerate': 'parallel'}`)"
+        )
+
+
+def _checking_the_sites(potential_fn: Callable, layout: SiteLayout) -> Callable:
+    """Pyro's potential of a model, which checks at every evaluation that the model sampled
+    the sites of ``layout`` (:func:`check_the_same_sites`). The kernels check a few points
+    before a run; this catches a model whose sites change only where the run goes. Where
+    they do, Pyro's potential would score a prior draw of a new site, or leave a site that
+    the model no longer has to drift, without a word. A traced potential records it once (its
+    check runs no tensor operation); the eager path, where a Python ``if`` on a latent value
+    sends such a model, pays a Pyro trace per evaluation (~1-2% of a gradient there)."""
+
+    def potential_of_the_same_sites(params):
+        with pyro.poutine.trace() as run:
+            U = potential_fn(params)
+        check_the_same_sites(layout, run.trace)
+        return U
+
+    return potential_of_the_same_sites
 
 
 def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> List[str]:

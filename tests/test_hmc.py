@@ -639,6 +639,20 @@ def test_a_model_whose_sites_change_with_their_values_gets_a_clear_error(start, 
                 kernel.setup(0, torch.tensor(0.5))
 
 
+@pytest.mark.parametrize("start, change", [(3.0, "does not sample b"), (-3.0, "also samples b")])
+def test_a_model_whose_sites_change_only_where_the_run_goes_is_stopped_there(start, change):
+    """Started 3 from ``a = 0``, the model's sites at the random points that the setup checks
+    (within 2 of the start) are those of the start; the first evaluation across 0 (in the
+    step-size search or the run) stops the run with the error of that check, where Pyro's
+    NUTS would score a prior draw of ``b`` or leave ``b`` to drift, silently."""
+    y = torch.tensor(0.5)
+    kernel = NUTS(site_only_where_positive,
+                  init_strategy=pyro.infer.autoguide.init_to_value(values={"a": torch.tensor(start)}))
+    with pytest.warns(pyro_hmc_plus.EngineFallbackWarning):  # the `if` on a latent value
+        with pytest.raises(ValueError, match=f"latent sites change with their values.*it {change}"):
+            MCMC(kernel, num_samples=100, warmup_steps=100, disable_progbar=True).run(y)
+
+
 def _ordinal_regression(x, y):
     beta = pyro.sample("beta", dist.Normal(0.0, 5.0))
     cutpoints = pyro.sample("cutpoints", dist.TransformedDistribution(
