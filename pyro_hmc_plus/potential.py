@@ -247,6 +247,14 @@ def from_model(
             "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
     except (RuntimeError, ValueError) as e:
+        point_masses = _latent_point_masses(model, model_args, model_kwargs or {}, init_strategy)
+        if point_masses:
+            raise ValueError(
+                f"the latent sites {point_masses} are point masses (`Delta`): a point mass has no density to move "
+                "through, so HMC and NUTS, Pyro's too, cannot sample it (Pyro stops with autograd's error above). "
+                "To record a value computed from other sites, write `pyro.deterministic(name, value)`; for a "
+                "known value, give the site `obs=value`"
+            ) from e
         if "valid initial" in str(e):  # Pyro's "cannot find valid initial params"
             culprits = sites_with_a_non_finite_log_density(model, model_args, model_kwargs or {}, init_strategy)
             raise type(e)(
@@ -441,6 +449,19 @@ def _continuous_latent_sites_of(trace) -> dict:
         name: site for name, site in trace.iter_stochastic_nodes()
         if not site_is_subsample(site) and not site["fn"].has_enumerate_support
     }
+
+
+def _latent_point_masses(model, model_args, model_kwargs, init_strategy) -> List[str]:
+    """The latent sites whose distribution is a ``Delta`` (a value written as a sample site
+    without ``obs``, where ``pyro.deterministic`` was meant): Pyro's kernels stop on them with
+    an autograd error that names none. Empty where one run of the model fails: the caller
+    keeps Pyro's error."""
+    try:
+        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
+    except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
+        return []
+    return [name for name, site in latent.items()
+            if isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Delta)]
 
 
 def _trace_at_init(model, model_args, model_kwargs, init_strategy):
@@ -735,8 +756,7 @@ def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_st
                                                "or not valid there (NaN upstream, as in a covariate)")
         else:
             bad, why = ~finite, ("have a log density of -inf or inf: the distribution has no density there (a point "
-                                 "mass such as `Delta` at a latent site: use `pyro.deterministic`) or a parameter is at "
-                                 "the edge of its range (a scale of 0)")
+                                 "mass such as `Delta`) or a parameter is at the edge of its range (a scale of 0)")
         first = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
         where = f", first at index {first}" if bad.dim() else ""
         described.append(f"'{name}' ({kind}): {int(bad.sum())} of {bad.numel()} values {why}{where}")

@@ -217,17 +217,34 @@ def test_data_without_a_finite_potential_get_an_error_naming_the_site_and_the_va
         from_model(_regression, (x, y))
 
 
-def test_a_latent_point_mass_gets_an_error_naming_it():
-    """A latent ``Delta`` site has no density off its point, so no starting value works."""
-    def model(y):
-        mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
-        doubled = pyro.sample("doubled", dist.Delta(2 * mu))
-        pyro.sample("y", dist.Normal(doubled, 1.0), obs=y)
+def _point_mass_of_a_constant():
+    pyro.sample("x", dist.Delta(torch.tensor(1.0)))
 
-    with pytest.raises(ValueError, match=r"'doubled' \(latent\): 1 of 1 values have a log density of -inf .*"
-                                         r"`Delta` at a latent site: use `pyro.deterministic`"), \
-            pyro.validation_enabled(False):
-        from_model(model, (torch.tensor(1.0),))
+
+def _point_mass_of_a_latent_value():
+    z = pyro.sample("z", dist.Normal(0.0, 1.0))
+    pyro.sample("x", dist.Delta(z + 1.0))
+
+
+def _point_mass_in_the_likelihood(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    x = pyro.sample("x", dist.Delta(2 * mu))
+    pyro.sample("y", dist.Normal(x, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("validation", [False, True])
+@pytest.mark.parametrize("model", [_point_mass_of_a_constant, _point_mass_of_a_latent_value,
+                                   _point_mass_in_the_likelihood])
+def test_a_latent_point_mass_gets_an_error_naming_it(model, validation):
+    """A ``Delta`` sample site without ``obs`` (a value recorded the way ``pyro.deterministic``
+    does it) is a latent site with no density. Pyro stops on it with autograd's "does not
+    require grad" or "appears to not have been used in the graph", or (validation off, the
+    Delta in the likelihood) "cannot find valid initial params", naming no site; the error
+    names it and says what to write instead."""
+    args = (torch.tensor(1.0),) if model is _point_mass_in_the_likelihood else ()
+    with pytest.raises(ValueError, match=r"latent sites \['x'\] are point masses .*pyro.deterministic"), \
+            pyro.validation_enabled(validation):
+        from_model(model, args)
 
 
 def test_wrong_shape_initial_point():
