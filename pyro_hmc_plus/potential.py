@@ -265,6 +265,14 @@ def from_model(
                 + ". Check the model's data and priors, or pass finite `initial_params` (or another "
                 "`init_strategy`)."
             ) from e
+        integers = _integer_observations_refused(model, model_args, model_kwargs or {}, init_strategy)
+        if integers:
+            raise type(e)(
+                f"{str(e).rstrip()}\nThe observed sites {integers} have integer values, which their distributions' "
+                "log densities cannot take (torch's `Bernoulli` computes one in floating point and cannot write it "
+                "into an integer tensor). Convert the data to floating point: `y.float()`, or "
+                "`torch.as_tensor(array, dtype=torch.get_default_dtype())` from NumPy or pandas."
+            ) from e
         other_dtype = _data_of_another_dtype(model_args, model_kwargs or {})
         if other_dtype and ("dtype" in str(e) or "scalar type" in str(e)):
             default = str(torch.get_default_dtype()).replace("torch.", "")
@@ -291,6 +299,29 @@ def from_model(
             model, model_args, model_kwargs or {},
             init_to_value(values={name: transforms[name].inv(u) for name, u in unconstrained.items()})),
     )
+
+
+def _integer_observations_refused(model, model_args, model_kwargs, init_strategy) -> Dict[str, str]:
+    """The observed sites (name -> "Bernoulli, int64") whose values are integer tensors that
+    their distribution's ``log_prob`` refuses (torch's ``Bernoulli`` fails with "result type
+    Float can't be cast to the desired output type Long", naming no site). Empty where one
+    run of the model fails: the caller keeps Pyro's error."""
+    try:
+        trace = _trace_at_init(model, model_args, model_kwargs, init_strategy)
+    except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
+        return {}
+    refused = {}
+    for name, site in trace.nodes.items():
+        value = site.get("value")
+        if site["type"] != "sample" or not site["is_observed"] or not torch.is_tensor(value) \
+                or value.is_floating_point() or value.dtype == torch.bool:
+            continue
+        try:
+            with pyro.validation_enabled(False):
+                site["fn"].log_prob(value)
+        except RuntimeError:
+            refused[name] = f"{type(unwrapped_distribution(site['fn'])).__name__}, {str(value.dtype).replace('torch.', '')}"
+    return refused
 
 
 def _data_of_another_dtype(model_args, model_kwargs) -> List[str]:

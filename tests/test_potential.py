@@ -328,6 +328,27 @@ def test_data_of_another_dtype_than_the_latent_values_get_an_error_that_says_so(
     assert "size mismatch" in str(caught.value) and "float32" not in str(caught.value)
 
 
+def _logistic_regression(x, y, counts):
+    b = pyro.sample("b", dist.Normal(0.0, 2.0))
+    with pyro.plate("n", len(x)):
+        pyro.sample("y", dist.Bernoulli(logits=b * x), obs=y)
+        pyro.sample("counts", dist.Poisson(torch.exp(b * x)), obs=counts)
+
+
+def test_integer_observations_that_a_distribution_refuses_get_an_error_naming_them():
+    """Binary outcomes read as integers (``int64`` from NumPy or pandas) fail in torch's
+    ``Bernoulli.log_prob`` (Pyro's kernels too) with "result type Float can't be cast to the
+    desired output type Long", naming no site; the error names the site and the remedy. The
+    Poisson counts beside them, which the Poisson takes as integers, are not named; as
+    floats, both sample."""
+    x = torch.linspace(-1.0, 1.0, 6)
+    y, counts = (x > 0).long(), torch.tensor([0, 1, 0, 2, 1, 3])
+    with pytest.raises(RuntimeError, match=r"(?s)can't be cast.*observed sites \{'y': 'Bernoulli, int64'\} have "
+                                           r"integer values.*y.float\(\)"):
+        from_model(_logistic_regression, (x, y, counts))
+    assert from_model(_logistic_regression, (x, y.float(), counts)).layout.names == ("b",)
+
+
 def _every_site_observed(mu, y):
     mu = pyro.sample("mu", dist.Normal(0.0, 10.0), obs=mu)  # meant to be sampled: mu=None
     pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
