@@ -246,6 +246,16 @@ def from_model(
             "site: a prior that cannot be sampled (e.g. ImproperUniform) needs "
             "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
+    except (AttributeError, TypeError) as e:
+        not_tensors = _observations_that_are_not_tensors(model, model_args, model_kwargs or {}, init_strategy)
+        if not_tensors:
+            raise type(e)(
+                f"{str(e).rstrip()}\nThe observed values of the sites {not_tensors} are not torch tensors, and "
+                "Pyro's distributions score tensors only. Convert the data before the run: "
+                "`torch.as_tensor(array, dtype=torch.get_default_dtype())` for a NumPy array (a pandas column: "
+                "`column.to_numpy()` first), `torch.tensor(1.5)` for a number."
+            ) from e
+        raise
     except (RuntimeError, ValueError) as e:
         point_masses = _latent_point_masses(model, model_args, model_kwargs or {}, init_strategy)
         if point_masses:
@@ -299,6 +309,31 @@ def from_model(
             model, model_args, model_kwargs or {},
             init_to_value(values={name: transforms[name].inv(u) for name, u in unconstrained.items()})),
     )
+
+
+class _NonTensorObservations(pyro.poutine.messenger.Messenger):
+    """Records the observed sample sites whose value is not a tensor (name -> type name), as
+    each site is met: a NumPy array or a number fails further on, in Pyro or torch, with an
+    ``AttributeError`` that names no site."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: Dict[str, str] = {}
+
+    def _process_message(self, msg):
+        if msg["type"] == "sample" and msg["is_observed"] and not torch.is_tensor(msg["value"]):
+            self.found[msg["name"]] = type(msg["value"]).__name__
+
+
+def _observations_that_are_not_tensors(model, model_args, model_kwargs, init_strategy) -> Dict[str, str]:
+    """The observed sites (name -> type name, as ``"ndarray"``) of one run of the model whose
+    values are not tensors, up to where the run fails."""
+    found = _NonTensorObservations()
+    try:
+        _trace_at_init(found(model), model_args, model_kwargs, init_strategy)
+    except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
+        pass
+    return found.found
 
 
 def _integer_observations_refused(model, model_args, model_kwargs, init_strategy) -> Dict[str, str]:

@@ -1,3 +1,4 @@
+import numpy as np
 import pyro
 import pyro.distributions as dist
 import pytest
@@ -347,6 +348,23 @@ def test_integer_observations_that_a_distribution_refuses_get_an_error_naming_th
                                            r"integer values.*y.float\(\)"):
         from_model(_logistic_regression, (x, y, counts))
     assert from_model(_logistic_regression, (x, y.float(), counts)).layout.names == ("b",)
+
+
+def _mean_of(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("n", y.shape[0] if getattr(y, "ndim", 0) else 1):
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("data, kind", [(np.ones(4, dtype=np.float32), "ndarray"), (1.5, "float")])
+def test_observations_that_are_not_tensors_get_an_error_naming_them(data, kind):
+    """A NumPy array or a number given as ``obs`` fails in Pyro (its kernels too) with "object
+    has no attribute 'dim'" or "'data'", naming no site; the error names the site, the type
+    and the conversion."""
+    with pytest.raises(AttributeError, match=rf"(?s)has no attribute.*sites \{{'y': '{kind}'\}} are not torch "
+                                             r"tensors.*torch.as_tensor"):
+        from_model(_mean_of, (data,))
+    assert from_model(_mean_of, (torch.as_tensor(data, dtype=torch.float32),)).layout.names == ("mu",)
 
 
 def _every_site_observed(mu, y):
