@@ -249,11 +249,11 @@ def from_model(
     except (AttributeError, TypeError) as e:
         not_tensors = _observations_that_are_not_tensors(model, model_args, model_kwargs or {}, init_strategy)
         if not_tensors:
-            raise type(e)(
-                f"{str(e).rstrip()}\nThe observed values of the sites {not_tensors} are not torch tensors, and "
-                "Pyro's distributions score tensors only. Convert the data before the run: "
-                "`torch.as_tensor(array, dtype=torch.get_default_dtype())` for a NumPy array (a pandas column: "
-                "`column.to_numpy()` first), `torch.tensor(1.5)` for a number."
+            raise _with_a_line(
+                e, f"The observed values of the sites {not_tensors} are not torch tensors, and Pyro's distributions "
+                "score tensors only. Convert the data before the run: `torch.as_tensor(array, "
+                "dtype=torch.get_default_dtype())` for a NumPy array (a pandas column: `column.to_numpy()` first), "
+                "`torch.tensor(1.5)` for a number."
             ) from e
         raise
     except (RuntimeError, ValueError) as e:
@@ -277,20 +277,20 @@ def from_model(
             ) from e
         integers = _integer_observations_refused(model, model_args, model_kwargs or {}, init_strategy)
         if integers:
-            raise type(e)(
-                f"{str(e).rstrip()}\nThe observed sites {integers} have integer values, which their distributions' "
-                "log densities cannot take (torch's `Bernoulli` computes one in floating point and cannot write it "
-                "into an integer tensor). Convert the data to floating point: `y.float()`, or "
-                "`torch.as_tensor(array, dtype=torch.get_default_dtype())` from NumPy or pandas."
+            raise _with_a_line(
+                e, f"The observed sites {integers} have integer values, which their distributions' log densities "
+                "cannot take (torch's `Bernoulli` computes one in floating point and cannot write it into an integer "
+                "tensor). Convert the data to floating point: `y.float()`, or `torch.as_tensor(array, "
+                "dtype=torch.get_default_dtype())` from NumPy or pandas."
             ) from e
         other_dtype = _data_of_another_dtype(model_args, model_kwargs or {})
         if other_dtype and ("dtype" in str(e) or "scalar type" in str(e)):
             default = str(torch.get_default_dtype()).replace("torch.", "")
-            raise type(e)(
-                f"{str(e).rstrip()}\nSome of the model's data are not {default}, torch's default dtype, which its "
-                f"latent values have ({', '.join(other_dtype)}): NumPy's arrays are float64, and `torch.tensor(array)` "
-                f"keeps that. Convert the data (`torch.as_tensor(array, dtype=torch.{default})`), or sample in "
-                "float64 (`torch.set_default_dtype(torch.float64)` before the run)."
+            raise _with_a_line(
+                e, f"Some of the model's data are not {default}, torch's default dtype, which its latent values have "
+                f"({', '.join(other_dtype)}): NumPy's arrays are float64, and `torch.tensor(array)` keeps that. "
+                f"Convert the data (`torch.as_tensor(array, dtype=torch.{default})`), or sample in float64 "
+                "(`torch.set_default_dtype(torch.float64)` before the run)."
             ) from e
         raise
     if not init:
@@ -357,6 +357,12 @@ def _integer_observations_refused(model, model_args, model_kwargs, init_strategy
         except RuntimeError:
             refused[name] = f"{type(unwrapped_distribution(site['fn'])).__name__}, {str(value.dtype).replace('torch.', '')}"
     return refused
+
+
+def _with_a_line(e: Exception, explanation: str) -> Exception:
+    """``e`` as an error of its own type with a line that says which of the user's sites or
+    data caused it and what to write instead (torch's and Pyro's messages name neither)."""
+    return type(e)(f"{str(e).rstrip()}\n{explanation}")
 
 
 def _data_of_another_dtype(model_args, model_kwargs) -> List[str]:
