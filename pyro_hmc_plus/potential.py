@@ -246,53 +246,11 @@ def from_model(
             "site: a prior that cannot be sampled (e.g. ImproperUniform) needs "
             "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
-    except (AttributeError, TypeError) as e:
-        not_tensors = _observations_that_are_not_tensors(model, model_args, model_kwargs or {}, init_strategy)
-        if not_tensors:
-            raise _with_a_line(
-                e, f"The observed values of the sites {not_tensors} are not torch tensors, and Pyro's distributions "
-                "score tensors only. Convert the data before the run: `torch.as_tensor(array, "
-                "dtype=torch.get_default_dtype())` for a NumPy array (a pandas column: `column.to_numpy()` first), "
-                "`torch.tensor(1.5)` for a number."
-            ) from e
-        raise
-    except (RuntimeError, ValueError) as e:
-        point_masses = _latent_point_masses(model, model_args, model_kwargs or {}, init_strategy)
-        if point_masses:
-            raise ValueError(
-                f"the latent sites {point_masses} are point masses (`Delta`): a point mass has no density to move "
-                "through, so HMC and NUTS, Pyro's too, cannot sample it (Pyro stops with autograd's error above). "
-                "To record a value computed from other sites, write `pyro.deterministic(name, value)`; for a "
-                "known value, give the site `obs=value`"
-            ) from e
-        if "valid initial" in str(e):  # Pyro's "cannot find valid initial params"
-            culprits = sites_with_a_non_finite_log_density(model, model_args, model_kwargs or {}, init_strategy)
-            raise type(e)(
-                f"{str(e).rstrip('.')}. The potential energy was not finite at any initial point "
-                "the init strategy tried"
-                + (f"; at one of them, these sites' log densities are not finite: {'; '.join(culprits)}"
-                   if culprits else "")
-                + ". Check the model's data and priors, or pass finite `initial_params` (or another "
-                "`init_strategy`)."
-            ) from e
-        integers = _integer_observations_refused(model, model_args, model_kwargs or {}, init_strategy)
-        if integers:
-            raise _with_a_line(
-                e, f"The observed sites {integers} have integer values, which their distributions' log densities "
-                "cannot take (torch's `Bernoulli` computes one in floating point and cannot write it into an integer "
-                "tensor). Convert the data to floating point: `y.float()`, or `torch.as_tensor(array, "
-                "dtype=torch.get_default_dtype())` from NumPy or pandas."
-            ) from e
-        other_dtype = _data_of_another_dtype(model_args, model_kwargs or {})
-        if other_dtype and ("dtype" in str(e) or "scalar type" in str(e)):
-            default = str(torch.get_default_dtype()).replace("torch.", "")
-            raise _with_a_line(
-                e, f"Some of the model's data are not {default}, torch's default dtype, which its latent values have "
-                f"({', '.join(other_dtype)}): NumPy's arrays are float64, and `torch.tensor(array)` keeps that. "
-                f"Convert the data (`torch.as_tensor(array, dtype=torch.{default})`), or sample in float64 "
-                "(`torch.set_default_dtype(torch.float64)` before the run)."
-            ) from e
-        raise
+    except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+        explained = _explained(e, model, model_args, model_kwargs or {}, init_strategy)
+        if explained is e:
+            raise
+        raise explained from e
     if not init:
         raise ValueError(
             "the model has no continuous latent sites to sample: each of its sample sites is observed "
@@ -357,6 +315,71 @@ def _integer_observations_refused(model, model_args, model_kwargs, init_strategy
         except RuntimeError:
             refused[name] = f"{type(unwrapped_distribution(site['fn'])).__name__}, {str(value.dtype).replace('torch.', '')}"
     return refused
+
+
+def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> Exception:
+    """The error to raise for ``e``, which Pyro's ``initialize_model`` raised on the model: one
+    that names the user's sites or data that caused it and says what to write instead, where
+    one run of the model finds them (torch's and Pyro's messages name neither); else ``e``."""
+    not_tensors = _observations_that_are_not_tensors(model, model_args, model_kwargs, init_strategy)
+    if not_tensors:
+        return _with_a_line(
+            e, f"The observed values of the sites {not_tensors} are not torch tensors, and Pyro's distributions "
+            "score tensors only. Convert the data before the run: `torch.as_tensor(array, "
+            "dtype=torch.get_default_dtype())` for a NumPy array (a pandas column: `column.to_numpy()` first), "
+            "`torch.tensor(1.5)` for a number."
+        )
+    arrays = _array_arguments(model_args, model_kwargs)
+    if arrays and "numpy" in str(e).lower():
+        return _with_a_line(
+            e, f"Some of the model's arguments are NumPy or pandas arrays ({', '.join(arrays)}): arithmetic between "
+            "them and the latent values runs in NumPy, which cannot follow the gradient. Convert them before the run: "
+            "`torch.as_tensor(array, dtype=torch.get_default_dtype())` (a pandas column: `column.to_numpy()` first)."
+        )
+    point_masses = _latent_point_masses(model, model_args, model_kwargs, init_strategy)
+    if point_masses:
+        return ValueError(
+            f"the latent sites {point_masses} are point masses (`Delta`): a point mass has no density to move "
+            "through, so HMC and NUTS, Pyro's too, cannot sample it (Pyro stops with autograd's error above). "
+            "To record a value computed from other sites, write `pyro.deterministic(name, value)`; for a "
+            "known value, give the site `obs=value`"
+        )
+    if "valid initial" in str(e):  # Pyro's "cannot find valid initial params"
+        culprits = sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy)
+        return type(e)(
+            f"{str(e).rstrip('.')}. The potential energy was not finite at any initial point "
+            "the init strategy tried"
+            + (f"; at one of them, these sites' log densities are not finite: {'; '.join(culprits)}"
+               if culprits else "")
+            + ". Check the model's data and priors, or pass finite `initial_params` (or another "
+            "`init_strategy`)."
+        )
+    integers = _integer_observations_refused(model, model_args, model_kwargs, init_strategy)
+    if integers:
+        return _with_a_line(
+            e, f"The observed sites {integers} have integer values, which their distributions' log densities "
+            "cannot take (torch's `Bernoulli` computes one in floating point and cannot write it into an integer "
+            "tensor). Convert the data to floating point: `y.float()`, or `torch.as_tensor(array, "
+            "dtype=torch.get_default_dtype())` from NumPy or pandas."
+        )
+    other_dtype = _data_of_another_dtype(model_args, model_kwargs)
+    if other_dtype and ("dtype" in str(e) or "scalar type" in str(e)):
+        default = str(torch.get_default_dtype()).replace("torch.", "")
+        return _with_a_line(
+            e, f"Some of the model's data are not {default}, torch's default dtype, which its latent values have "
+            f"({', '.join(other_dtype)}): NumPy's arrays are float64, and `torch.tensor(array)` keeps that. "
+            f"Convert the data (`torch.as_tensor(array, dtype=torch.{default})`), or sample in float64 "
+            "(`torch.set_default_dtype(torch.float64)` before the run)."
+        )
+    return e
+
+
+def _array_arguments(model_args, model_kwargs) -> List[str]:
+    """The model's arguments that are arrays but not tensors (NumPy's, pandas'), as
+    ``"argument 0 (ndarray)"`` or ``"x (Series)"``."""
+    named = [(f"argument {i}", a) for i, a in enumerate(model_args)] + list(model_kwargs.items())
+    return [f"{name} ({type(a).__name__})" for name, a in named
+            if not torch.is_tensor(a) and hasattr(a, "__array__") and getattr(a, "ndim", 0) >= 1]
 
 
 def _with_a_line(e: Exception, explanation: str) -> Exception:

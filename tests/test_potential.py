@@ -367,6 +367,24 @@ def test_observations_that_are_not_tensors_get_an_error_naming_them(data, kind):
     assert from_model(_mean_of, (torch.as_tensor(data, dtype=torch.float32),)).layout.names == ("mu",)
 
 
+def _regression_on(x, y):
+    b = pyro.sample("b", dist.Normal(0.0, 5.0))
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.Normal(b * x, 1.0), obs=y)
+
+
+def test_covariates_that_are_numpy_arrays_get_an_error_naming_them():
+    """A NumPy covariate times a latent tensor runs in NumPy and fails (Pyro's kernels too)
+    with "Can't call numpy() on Tensor that requires grad"; the error names the argument and
+    the conversion."""
+    x = np.linspace(-1.0, 1.0, 5, dtype=np.float32)
+    y = torch.as_tensor(2 * x)
+    with pytest.raises(RuntimeError, match=r"(?s)numpy\(\).*model's arguments are NumPy or pandas arrays \(x "
+                                           r"\(ndarray\)\).*torch.as_tensor"):
+        from_model(_regression_on, (), {"x": x, "y": y})
+    assert from_model(_regression_on, (torch.as_tensor(x), y)).layout.names == ("b",)
+
+
 def _every_site_observed(mu, y):
     mu = pyro.sample("mu", dist.Normal(0.0, 10.0), obs=mu)  # meant to be sampled: mu=None
     pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
