@@ -283,26 +283,10 @@ class _NonTensorObservations(pyro.poutine.messenger.Messenger):
             self.found[msg["name"]] = type(msg["value"]).__name__
 
 
-def _observations_that_are_not_tensors(model, model_args, model_kwargs, init_strategy) -> Dict[str, str]:
-    """The observed sites (name -> type name, as ``"ndarray"``) of one run of the model whose
-    values are not tensors, up to where the run fails."""
-    found = _NonTensorObservations()
-    try:
-        _trace_at_init(found(model), model_args, model_kwargs, init_strategy)
-    except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
-        pass
-    return found.found
-
-
-def _integer_observations_refused(model, model_args, model_kwargs, init_strategy) -> Dict[str, str]:
-    """The observed sites (name -> "Bernoulli, int64") whose values are integer tensors that
-    their distribution's ``log_prob`` refuses (torch's ``Bernoulli`` fails with "result type
-    Float can't be cast to the desired output type Long", naming no site). Empty where one
-    run of the model fails: the caller keeps Pyro's error."""
-    try:
-        trace = _trace_at_init(model, model_args, model_kwargs, init_strategy)
-    except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
-        return {}
+def _integer_observations_refused(trace) -> Dict[str, str]:
+    """The observed sites of ``trace`` (name -> "Bernoulli, int64") whose values are integer
+    tensors that their distribution's ``log_prob`` refuses (torch's ``Bernoulli`` fails with
+    "result type Float can't be cast to the desired output type Long", naming no site)."""
     refused = {}
     for name, site in trace.nodes.items():
         value = site.get("value")
@@ -320,8 +304,15 @@ def _integer_observations_refused(model, model_args, model_kwargs, init_strategy
 def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> Exception:
     """The error to raise for ``e``, which Pyro's ``initialize_model`` raised on the model: one
     that names the user's sites or data that caused it and says what to write instead, where
-    one run of the model finds them (torch's and Pyro's messages name neither); else ``e``."""
-    not_tensors = _observations_that_are_not_tensors(model, model_args, model_kwargs, init_strategy)
+    one run of the model finds them (torch's and Pyro's messages name neither); else ``e``.
+    The run is under the init strategy, as Pyro's was; where it fails, only the observations
+    met before the failure are looked at (:class:`_NonTensorObservations`)."""
+    not_a_tensor = _NonTensorObservations()
+    try:
+        trace = _trace_at_init(not_a_tensor(model), model_args, model_kwargs, init_strategy)
+    except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
+        trace = None
+    not_tensors = not_a_tensor.found
     if not_tensors:
         return _with_a_line(
             e, f"The observed values of the sites {not_tensors} are not torch tensors, and Pyro's distributions "
@@ -336,7 +327,7 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "them and the latent values runs in NumPy, which cannot follow the gradient. Convert them before the run: "
             "`torch.as_tensor(array, dtype=torch.get_default_dtype())` (a pandas column: `column.to_numpy()` first)."
         )
-    point_masses = _latent_point_masses(model, model_args, model_kwargs, init_strategy)
+    point_masses = [] if trace is None else _latent_point_masses(trace)
     if point_masses:
         return ValueError(
             f"the latent sites {point_masses} are point masses (`Delta`): a point mass has no density to move "
@@ -354,7 +345,7 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             + ". Check the model's data and priors, or pass finite `initial_params` (or another "
             "`init_strategy`)."
         )
-    integers = _integer_observations_refused(model, model_args, model_kwargs, init_strategy)
+    integers = {} if trace is None else _integer_observations_refused(trace)
     if integers:
         return _with_a_line(
             e, f"The observed sites {integers} have integer values, which their distributions' log densities "
@@ -546,16 +537,11 @@ def _continuous_latent_sites_of(trace) -> dict:
     }
 
 
-def _latent_point_masses(model, model_args, model_kwargs, init_strategy) -> List[str]:
-    """The latent sites whose distribution is a ``Delta`` (a value written as a sample site
-    without ``obs``, where ``pyro.deterministic`` was meant): Pyro's kernels stop on them with
-    an autograd error that names none. Empty where one run of the model fails: the caller
-    keeps Pyro's error."""
-    try:
-        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
-    except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
-        return []
-    return [name for name, site in latent.items()
+def _latent_point_masses(trace) -> List[str]:
+    """The latent sites of ``trace`` whose distribution is a ``Delta`` (a value written as a
+    sample site without ``obs``, where ``pyro.deterministic`` was meant): Pyro's kernels stop
+    on them with an autograd error that names none."""
+    return [name for name, site in _continuous_latent_sites_of(trace).items()
             if isinstance(unwrapped_distribution(site["fn"]), pyro.distributions.Delta)]
 
 
