@@ -285,13 +285,15 @@ class _NonTensorObservations(pyro.poutine.messenger.Messenger):
 
 def _integer_observations_refused(trace) -> Dict[str, str]:
     """The observed sites of ``trace`` (name -> "Bernoulli, int64") whose values are integer
-    tensors that their distribution's ``log_prob`` refuses (torch's ``Bernoulli`` fails with
-    "result type Float can't be cast to the desired output type Long", naming no site)."""
+    or boolean tensors that their distribution's ``log_prob`` refuses (torch's ``Bernoulli``
+    fails with "result type Float can't be cast to the desired output type Long", or of
+    outcomes written ``x > 0``, "Subtraction ... with two bool tensors is not supported",
+    naming no site)."""
     refused = {}
     for name, site in trace.nodes.items():
         value = site.get("value")
         if site["type"] != "sample" or not site["is_observed"] or not torch.is_tensor(value) \
-                or value.is_floating_point() or value.dtype == torch.bool:
+                or value.is_floating_point():
             continue
         try:
             with pyro.validation_enabled(False):
@@ -348,9 +350,9 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
     integers = {} if trace is None else _integer_observations_refused(trace)
     if integers:
         return _with_a_line(
-            e, f"The observed sites {integers} have integer values, which their distributions' log densities "
-            "cannot take (torch's `Bernoulli` computes one in floating point and cannot write it into an integer "
-            "tensor). Convert the data to floating point: `y.float()`, or `torch.as_tensor(array, "
+            e, f"The observed sites {integers} have integer or boolean values, which their distributions' log "
+            "densities cannot take (torch's `Bernoulli` computes one in floating point and cannot write it into an "
+            "integer or boolean tensor). Convert the data to floating point: `y.float()`, or `torch.as_tensor(array, "
             "dtype=torch.get_default_dtype())` from NumPy or pandas."
         )
     other_dtype = _data_of_another_dtype(model_args, model_kwargs)

@@ -336,16 +336,18 @@ def _logistic_regression(x, y, counts):
         pyro.sample("counts", dist.Poisson(torch.exp(b * x)), obs=counts)
 
 
-def test_integer_observations_that_a_distribution_refuses_get_an_error_naming_them():
-    """Binary outcomes read as integers (``int64`` from NumPy or pandas) fail in torch's
-    ``Bernoulli.log_prob`` (Pyro's kernels too) with "result type Float can't be cast to the
-    desired output type Long", naming no site; the error names the site and the remedy. The
-    Poisson counts beside them, which the Poisson takes as integers, are not named; as
-    floats, both sample."""
+@pytest.mark.parametrize("dtype, torch_says", [("int64", "can't be cast"), ("bool", "two bool tensors")])
+def test_integer_observations_that_a_distribution_refuses_get_an_error_naming_them(dtype, torch_says):
+    """Binary outcomes read as integers (``int64`` from NumPy or pandas) or written as
+    booleans (``x > 0``) fail in torch's ``Bernoulli.log_prob`` (Pyro's kernels too) with
+    "result type Float can't be cast to the desired output type Long" or "Subtraction ...
+    with two bool tensors is not supported", naming no site; the error names the site and
+    the remedy. The Poisson counts beside them, which the Poisson takes as integers, are not
+    named; as floats, both sample."""
     x = torch.linspace(-1.0, 1.0, 6)
-    y, counts = (x > 0).long(), torch.tensor([0, 1, 0, 2, 1, 3])
-    with pytest.raises(RuntimeError, match=r"(?s)can't be cast.*observed sites \{'y': 'Bernoulli, int64'\} have "
-                                           r"integer values.*y.float\(\)"):
+    y, counts = (x > 0).to(getattr(torch, dtype)), torch.tensor([0, 1, 0, 2, 1, 3])
+    with pytest.raises(RuntimeError, match=rf"(?s){torch_says}.*observed sites \{{'y': 'Bernoulli, {dtype}'\}} "
+                                           r"have integer or boolean values.*y.float\(\)"):
         from_model(_logistic_regression, (x, y, counts))
     assert from_model(_logistic_regression, (x, y.float(), counts)).layout.names == ("b",)
 
