@@ -25,7 +25,8 @@ CLASSIC_PRECISION = torch.tensor([[10.25, -9.74], [-9.74, 10.25]])  # correlatio
 
 def classic_gaussian():
     """The forum question's target: a 2-D Gaussian with correlation ~0.95."""
-    pyro.sample("q", dist.MultivariateNormal(torch.zeros(2), precision_matrix=CLASSIC_PRECISION))
+    precision = CLASSIC_PRECISION.to(torch.get_default_dtype())  # float64 too, under torch.set_default_dtype
+    pyro.sample("q", dist.MultivariateNormal(torch.zeros(2), precision_matrix=precision))
 
 
 def eight_schools_centered(y, sigma):
@@ -160,16 +161,20 @@ def changepoint_exact_posterior(counts):
 
 def problem(name: str) -> Problem:
     """The named example problem: ``classic``, ``eight_schools``, ``eight_schools_centered``,
-    ``logistic``, ``hierarchical``, ``gp`` or ``changepoint``."""
+    ``logistic``, ``hierarchical``, ``gp`` or ``changepoint``. Its data and exact moments are
+    in torch's default dtype (float64 after ``torch.set_default_dtype(torch.float64)``)."""
     g = torch.Generator().manual_seed(0)
+    like = torch.get_default_dtype()
     if name == "classic":
-        sd = torch.linalg.inv(CLASSIC_PRECISION).diagonal().sqrt()
+        sd = torch.linalg.inv(CLASSIC_PRECISION.to(like)).diagonal().sqrt()
         return Problem(classic_gaussian, (), "2-D Gaussian, correlation 0.95 (the classic question)",
                        {"q": torch.zeros(2)}, {"q": sd})
     if name == "eight_schools":
-        return Problem(eight_schools_non_centered, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), "eight schools, non-centered")
+        return Problem(eight_schools_non_centered, (EIGHT_SCHOOLS_Y.to(like), EIGHT_SCHOOLS_SIGMA.to(like)),
+                       "eight schools, non-centered")
     if name == "eight_schools_centered":
-        return Problem(eight_schools_centered, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA), "eight schools, centered")
+        return Problem(eight_schools_centered, (EIGHT_SCHOOLS_Y.to(like), EIGHT_SCHOOLS_SIGMA.to(like)),
+                       "eight schools, centered")
     if name == "logistic":
         n, d = 1000, 10
         x = torch.randn(n, d, generator=g)
@@ -195,10 +200,10 @@ def problem(name: str) -> Problem:
                        truth={"noise": torch.tensor(0.01)})
     if name == "changepoint":
         _, early_mean, early_sd, late_mean, late_sd = changepoint_exact_posterior(COAL_MINING_DISASTERS)
-        return Problem(changepoint, (COAL_MINING_DISASTERS,),
+        return Problem(changepoint, (COAL_MINING_DISASTERS.to(like),),
                        "coal-mining disasters 1851-1961, a change of rate in an enumerated year",
-                       {"early": early_mean.float(), "late": late_mean.float()},
-                       {"early": early_sd.float(), "late": late_sd.float()})
+                       {"early": early_mean.to(like), "late": late_mean.to(like)},
+                       {"early": early_sd.to(like), "late": late_sd.to(like)})
     raise ValueError(f"unknown example problem {name!r}; choose from {PROBLEMS}")
 
 

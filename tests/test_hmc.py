@@ -20,6 +20,7 @@ from pyro.infer import HMC as PyroHMC
 
 import pyro_hmc_plus
 from pyro_hmc_plus import HMC, NUTS
+from pyro_hmc_plus.models import PROBLEMS, problem
 from pyro_hmc_plus.potential import gradient_mismatch
 
 from helpers import assert_mean, assert_variance
@@ -241,6 +242,21 @@ def test_float64_models_run_in_float64():
     assert mu.dtype == torch.float64
     mean, var = normal_normal_posterior(x)
     assert_mean(mu.numpy(), mean)
+
+
+@pytest.mark.parametrize("name", PROBLEMS)
+def test_the_example_problems_follow_the_default_dtype(name):
+    """``pyro_hmc_plus.models``' problems (the demo's and the benchmarks') under
+    ``torch.set_default_dtype(torch.float64)``: their data, constants and exact moments are
+    float64, so the model samples in float64 (the classic question's float32 precision
+    matrix against float64 draws stopped its first run with a dtype error)."""
+    torch.set_default_dtype(torch.float64)
+    prob = problem(name)
+    assert all(a.dtype in (torch.float64, torch.int64) for a in prob.args)
+    assert all(v.dtype == torch.float64 for moments in (prob.exact_mean or {}, prob.exact_sd or {})
+               for v in moments.values())
+    draws = run(HMC(prob.model, num_steps=3), 3, 3, *prob.args).get_samples()
+    assert all(v.dtype == torch.float64 for v in draws.values())
 
 
 @pytest.mark.parametrize("kernel_class", [HMC, NUTS])
