@@ -74,7 +74,7 @@ class MCMC(pyro.infer.MCMC):
         (:func:`pyro_hmc_plus.diagnose`: divergences, maximum tree depth, E-BFMI, R-hat, ESS)
         and emit one :class:`~pyro_hmc_plus.SamplingWarning` naming any problem and its remedy.
         If the checks themselves fail, that is a ``RuntimeWarning``: ``run()`` still returns.
-        The first check in a process imports ArviZ (~1.7 s on a 2-core machine).
+        The first check in a process imports ArviZ (~1 s on a 2-core machine).
 
     After a vectorized run, :attr:`batch_utilisation` is the fraction of chain-slots in the
     batched gradient evaluations that did useful work: the leapfrog steps of the chains'
