@@ -154,6 +154,40 @@ def test_a_compiled_program_that_fails_validation_falls_back_to_the_trace(tmp_pa
     assert engine.rejected_compiled_programs == 1 and engine.name == "aot"
 
 
+@pytest.mark.parametrize("engine_name, compiler, named", [("aot", "aot_compile", "AOTInductor"),
+                                                           ("inductor", "inductor", "TorchInductor")])
+def test_a_compiler_that_fails_leaves_the_traced_program_and_says_why(tmp_path, monkeypatch, engine_name, compiler,
+                                                                      named):
+    """Where the C++ compiler fails on a program (no compiler on the machine, a compile
+    error), the program runs traced, one warning names the compiler and its error, and the
+    engine traces from then on instead of failing again at every program."""
+    import warnings
+
+    from pyro_hmc_plus import EngineFallbackWarning, GradientEngine, from_potential_fn
+
+    monkeypatch.setenv("PYRO_HMC_PLUS_CACHE", str(tmp_path))
+    flat = from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.zeros(3)}, None)
+    engine = GradientEngine(flat, engine_name)
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("C++ compile error: g++: command not found")
+
+    monkeypatch.setattr(_compile, compiler, no_compiler)
+
+    def fn(value_and_grad, z):
+        return value_and_grad(z)
+
+    z = torch.tensor([0.5, -1.0, 2.0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = engine.program(fn, (z,), [(z,), (z + 1,)], cache_key=("test",))
+    said = [str(w.message) for w in caught if issubclass(w.category, EngineFallbackWarning)]
+    assert len(said) == 1 and named in said[0] and "g++: command not found" in said[0]
+    U, g = program(z)
+    assert torch.allclose(U, 0.5 * (z**2).sum()) and torch.allclose(g, z)
+    assert engine.name == "trace"
+
+
 def test_compilations_trust_the_cpu_isa_without_changing_the_users_settings():
     from torch._inductor import config
 
