@@ -119,6 +119,20 @@ def _host_values(*scalars: torch.Tensor) -> list:
     return torch.stack([x.to(torch.float64) for x in scalars]).tolist()
 
 
+def _step_sizes(step_size) -> typing.Tuple[float, typing.Optional[torch.Tensor]]:
+    """``step_size`` as the first chain's (a float) and, where it is given one per chain (a
+    1-D tensor, list or array, as ``pyro_hmc_plus.MCMC.step_size`` holds them), all of them
+    as a float64 tensor ``(C,)``; for one number (a 0-d tensor too), ``None``."""
+    try:
+        values = torch.as_tensor(step_size, dtype=torch.float64, device="cpu")
+    except (TypeError, ValueError, RuntimeError):
+        values = None
+    if values is None or values.dim() > 1 or values.numel() == 0 or not (torch.isfinite(values) & (values > 0)).all():
+        raise ValueError(f"step_size must be a positive finite number, or one per chain (a 1-D tensor or list of "
+                         f"them), got {step_size!r}")
+    return float(values.reshape(-1)[0]), (values if values.dim() == 1 else None)
+
+
 def _floating_point(initial_params: typing.Optional[dict]) -> typing.Optional[dict]:
     """``initial_params`` as tensors, integers (``torch.tensor(0)``, ``0``) as floating-point
     ones of the default dtype (as ``torch.tensor(0.0)``): torch's distributions take integers
@@ -278,7 +292,11 @@ class HMC(MCMCKernel):
     :param potential_fn: ``U(params)`` over a dict of unconstrained tensors; needs
         ``initial_params`` (given to :class:`pyro.infer.MCMC`) and optionally ``transforms``.
     :param float step_size: initial leapfrog step size (with ``adapt_step_size``, where the search
-        for a reasonable one starts at setup).
+        for a reasonable one starts at setup). Or one per chain, a 1-D tensor or list of ``C``
+        numbers, for a vectorized run of ``C`` chains in :class:`pyro_hmc_plus.MCMC` (as its
+        ``step_size`` holds them after a run, and as Stan takes one per chain): to go on from
+        another run's adapted values with a trajectory length shared by the chains, so
+        ``HMC`` takes ``trajectory_length`` rather than ``num_steps`` with them.
     :param float trajectory_length: ``step_size * num_steps``; default ``2 * pi``. The number of
         steps is ``max(1, int(trajectory_length / step_size))``, so it follows the adapted step size.
         Where the adapted mass matrix fits a near-Gaussian posterior, ``2 * pi`` is about one
@@ -344,8 +362,12 @@ class HMC(MCMCKernel):
     ):
         if (model is None) == (potential_fn is None):
             raise ValueError("give exactly one of `model` or `potential_fn`")
-        if not (isinstance(step_size, numbers.Real) and step_size > 0 and math.isfinite(step_size)):
-            raise ValueError(f"step_size must be a positive finite number, got {step_size!r}")
+        step_size, step_sizes = _step_sizes(step_size)
+        if step_sizes is not None and num_steps is not None:
+            raise ValueError(
+                "with a step size per chain, give trajectory_length (shared by the chains, as after adaptation; "
+                "each chain then takes trajectory_length / its step size steps) instead of num_steps"
+            )
         if num_steps is not None and not (isinstance(num_steps, numbers.Integral) and num_steps >= 1):
             raise ValueError(f"num_steps must be a positive integer, got {num_steps!r}")
         if trajectory_length is not None and not trajectory_length > 0:
@@ -373,6 +395,7 @@ class HMC(MCMCKernel):
         self._max_plate_nesting = max_plate_nesting
         self._init_strategy = init_strategy
         self._init_step_size = float(step_size)
+        self._init_step_sizes = step_sizes  # one per chain (float64, (C,)), or None
         if num_steps is not None:
             trajectory_length = step_size * num_steps
         self.trajectory_length = 2 * math.pi if trajectory_length is None else float(trajectory_length)
@@ -525,6 +548,12 @@ class HMC(MCMCKernel):
 
     @with_autograd
     def setup(self, warmup_steps, *args, **kwargs):
+        if self._init_step_sizes is not None and len(self._init_step_sizes) > 1:
+            raise ValueError(
+                f"step_size holds {len(self._init_step_sizes)} values, one per chain: they are for a vectorized "
+                f"run of pyro_hmc_plus.MCMC with num_chains={len(self._init_step_sizes)}; a chain run on its own "
+                "(pyro.infer.MCMC, or chain_method 'sequential' or 'parallel') takes one number"
+            )
         initial = self._initial_params
         self._reset()
         self._warmup_steps = warmup_steps
@@ -834,9 +863,9 @@ class HMC(MCMCKernel):
                                      self.trajectory_length, self._steps_per_round(), self._fixed_num_steps())
 
     def _fixed_num_steps(self):
-        """Every chain's number of leapfrog steps where the step size is not adapted (then
-        all trajectories have that length), else ``None``."""
-        return None if self.adapt_step_size else self.num_steps
+        """Every chain's number of leapfrog steps where the step size is not adapted and the
+        same for all chains (then all trajectories have that length), else ``None``."""
+        return None if self.adapt_step_size or self._init_step_sizes is not None else self.num_steps
 
     def _chains_next_kind(self, chains, schedule) -> torch.Tensor:
         """The kind of the next round, ``()`` int64: NUTS's choice

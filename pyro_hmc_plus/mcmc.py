@@ -248,8 +248,10 @@ class MCMC(pyro.infer.MCMC):
         rng_state = pyro.util.get_rng_state()
         try:
             with validation:
+                # a step size per chain is for a vectorized run: kept one on eager autograd too
+                one_step_size = self.kernel._init_step_sizes is None
                 run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples,
-                                     self.leaves_per_call, self._sequential_if_eager)
+                                     self.leaves_per_call, self._sequential_if_eager and one_step_size)
                 rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
         except _EagerGradient:
             warn_user(
@@ -427,10 +429,15 @@ class _VectorizedRun:
         adapting = (k.adapt_step_size or k.adapt_mass_matrix) and self.W > 0
         self.windows = adaptation.adaptation_schedule(self.W) if adapting else []
         self.metric_updates = adaptation.metric_windows(self.windows) if k.adapt_mass_matrix else []
-        step = torch.full((self.C,), k._init_step_size, dtype=flat.dtype, device=flat.device)
-        if k.adapt_step_size:  # as the kernel: searched even without warmup
-            step = torch.stack([torch.tensor(self._reasonable_step_size(state, c, k._init_step_size)) for c in range(self.C)])
-            step = step.to(dtype=flat.dtype, device=flat.device)
+        given = k._init_step_sizes  # float64, as Python's floats: rounded once to the model's dtype
+        if given is None:
+            given = torch.full((self.C,), k._init_step_size, dtype=torch.float64)
+        if len(given) != self.C:
+            raise ValueError(f"step_size holds {len(given)} values, one per chain, but the run has num_chains={self.C}")
+        if k.adapt_step_size:  # as the kernel: searched even without warmup, from each chain's given one
+            given = torch.tensor([self._reasonable_step_size(state, c, float(given[c])) for c in range(self.C)],
+                                 dtype=torch.float64)
+        step = given.to(dtype=flat.dtype, device=flat.device)
         self.chains = k._chains_init(state, self.metric, chain_batch.StepSize.start(step))
         like = torch.ones_like(step)
         self.schedule = chain_batch.Schedule(
