@@ -423,11 +423,16 @@ def _checked_init(init_strategy: Callable, transforms: Dict[str, Transform]) -> 
             inside = inside & finite
         if not bool(inside.all()):
             shown = value.detach().reshape(-1).tolist()
+            infinite = value.is_floating_point() and bool(torch.isinf(value).any())
             raise ValueError(
-                f"init_strategy gave the latent site {site['name']!r} initial values outside its support "
-                f"({site['fn'].support} of {type(site['fn']).__name__}): {shown[:6]}{' ...' if len(shown) > 6 else ''}. "
-                "Initial values are constrained values (a scale is positive, a probability in (0, 1)): "
-                "give ones inside the support, or leave the site to the fallback (init_to_uniform)"
+                f"init_strategy gave the latent site {site['name']!r} initial values outside its support or not "
+                f"finite ({site['fn'].support} of {type(site['fn']).__name__}): {shown[:6]}"
+                f"{' ...' if len(shown) > 6 else ''}. "
+                + ("`init_to_mean` gives a prior's mean, which is infinite or undefined for heavy tails (HalfCauchy, "
+                   "Cauchy, StudentT with df <= 1): use `init_to_median` or `init_to_uniform` for them. "
+                   if infinite else "")
+                + "Initial values are constrained values (a scale is positive, a probability in (0, 1)): "
+                "give finite ones inside the support, or leave the site to the fallback (init_to_uniform)"
             )
         return value
 

@@ -4,7 +4,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
-from pyro.infer.autoguide import init_to_value
+from pyro.infer.autoguide import init_to_mean, init_to_median, init_to_value
 from pyro.infer.mcmc.util import initialize_model
 from pyro.infer.reparam import ProjectedNormalReparam
 from pyro.ops.integrator import potential_grad
@@ -101,11 +101,26 @@ def test_initial_values_outside_their_supports_name_the_site(values, site, shown
     """``init_to_value`` with a value outside its site's support, or not finite, fails as it is
     given, naming the site and its support; a negative scale used to fail one line later as
     torch's "normal expects all elements of std >= 0.0", without a name (Pyro's kernels too)."""
-    with pytest.raises(ValueError, match=rf"latent site '{site}' initial values outside its support .*: {shown}"):
+    with pytest.raises(ValueError, match=rf"latent site '{site}' initial values outside its support or not finite "
+                                         rf".*: {shown}"):
         from_model(_scale_then_location, init_strategy=init_to_value(values=values))
     flat = from_model(_scale_then_location, init_strategy=init_to_value(values={"scale": torch.tensor(2.0)}))
     unconstrained_scale = flat.layout.unpack(flat.initial_z)["scale"]
     assert flat.transforms["scale"].inv(unconstrained_scale).item() == pytest.approx(2.0, rel=1e-6)
+
+
+def test_init_to_mean_of_a_prior_without_a_finite_mean_names_the_site_and_init_to_median():
+    """Pyro's ``init_to_mean`` gives ``inf`` for a ``HalfCauchy`` scale (eight schools' prior),
+    and Pyro's kernels then stop with "cannot find valid initial params"; the error names the
+    site and the strategy to use instead."""
+    def model():
+        pyro.sample("tau", dist.HalfCauchy(5.0))
+        pyro.sample("mu", dist.Normal(0.0, 5.0))
+
+    with pytest.raises(ValueError, match=r"latent site 'tau' initial values outside its support or not finite .*"
+                                         r"\[inf\]\. `init_to_mean` gives .* use `init_to_median`"):
+        from_model(model, init_strategy=init_to_mean)
+    assert from_model(model, init_strategy=init_to_median).layout.names == ("mu", "tau")
 
 
 def test_flat_coordinates_are_those_the_potential_does_not_depend_on():
