@@ -20,6 +20,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 import pyro
 import torch
 from pyro.distributions import constraints
+from pyro.distributions.torch_distribution import TorchDistributionMixin
 from pyro.distributions.transforms import Transform, biject_to
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_uniform, init_to_value
 from pyro.infer.mcmc.util import initialize_model
@@ -269,18 +270,27 @@ def from_model(
     )
 
 
-class _NonTensorObservations(pyro.poutine.messenger.Messenger):
-    """Records the observed sample sites whose value is not a tensor (name -> type name), as
-    each site is met: a NumPy array or a number fails further on, in Pyro or torch, with an
-    ``AttributeError`` that names no site."""
+class _WhatTheSitesAreGiven(pyro.poutine.messenger.Messenger):
+    """Records, as the model meets each sample site, the ones given what Pyro cannot score,
+    which fail further on with errors that name no site: torch's own distributions in place
+    of Pyro's (``torch_distributions``, name -> class; Pyro calls the distribution to draw
+    from it: "'Normal' object is not callable"), and observed values that are not tensors
+    (``non_tensor_observations``, name -> type; a NumPy array or a number: an
+    ``AttributeError`` in Pyro or torch)."""
 
     def __init__(self):
         super().__init__()
-        self.found: Dict[str, str] = {}
+        self.torch_distributions: Dict[str, str] = {}
+        self.non_tensor_observations: Dict[str, str] = {}
 
     def _process_message(self, msg):
-        if msg["type"] == "sample" and msg["is_observed"] and not torch.is_tensor(msg["value"]):
-            self.found[msg["name"]] = type(msg["value"]).__name__
+        if msg["type"] != "sample":
+            return
+        fn = msg["fn"]
+        if isinstance(fn, torch.distributions.Distribution) and not isinstance(fn, TorchDistributionMixin):
+            self.torch_distributions[msg["name"]] = f"torch.distributions.{type(fn).__name__}"
+        if msg["is_observed"] and not torch.is_tensor(msg["value"]):
+            self.non_tensor_observations[msg["name"]] = type(msg["value"]).__name__
 
 
 def _integer_observations_refused(trace) -> Dict[str, str]:
@@ -307,14 +317,20 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
     """The error to raise for ``e``, which Pyro's ``initialize_model`` raised on the model: one
     that names the user's sites or data that caused it and says what to write instead, where
     one run of the model finds them (torch's and Pyro's messages name neither); else ``e``.
-    The run is under the init strategy, as Pyro's was; where it fails, only the observations
-    met before the failure are looked at (:class:`_NonTensorObservations`)."""
-    not_a_tensor = _NonTensorObservations()
+    The run is under the init strategy, as Pyro's was; where it fails, only the sites met
+    before the failure are looked at (:class:`_WhatTheSitesAreGiven`)."""
+    given = _WhatTheSitesAreGiven()
     try:
-        trace = _trace_at_init(not_a_tensor(model), model_args, model_kwargs, init_strategy)
+        trace = _trace_at_init(given(model), model_args, model_kwargs, init_strategy)
     except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
         trace = None
-    not_tensors = not_a_tensor.found
+    if given.torch_distributions:
+        return _with_a_line(
+            e, f"The sample sites {given.torch_distributions} are given torch's distributions, which Pyro's sample "
+            "sites cannot draw from or score: use Pyro's, which wrap them with the same arguments "
+            "(`import pyro.distributions as dist`, then `dist.Normal(loc, scale)`)."
+        )
+    not_tensors = given.non_tensor_observations
     if not_tensors:
         return _with_a_line(
             e, f"The observed values of the sites {not_tensors} are not torch tensors, and Pyro's distributions "

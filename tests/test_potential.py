@@ -367,6 +367,21 @@ def test_integer_observations_that_a_distribution_refuses_get_an_error_naming_th
     assert from_model(_logistic_regression, (x, y.float(), counts)).layout.names == ("b",)
 
 
+def _with_torchs_distributions(y):
+    mu = pyro.sample("mu", torch.distributions.Normal(0.0, 5.0))
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_torchs_own_distributions_at_sample_sites_get_an_error_naming_them():
+    """``pyro.sample`` with ``torch.distributions.Normal`` (Pyro's kernels too) fails with
+    "'Normal' object is not callable", naming no site; the error names the site and says to
+    use Pyro's distributions. The site written with Pyro's ``dist.Normal`` is not named."""
+    with pytest.raises(TypeError, match=r"(?s)not callable.*sample sites \{'mu': 'torch.distributions.Normal'\} are "
+                                        r"given torch's distributions.*import pyro.distributions as dist"):
+        from_model(_with_torchs_distributions, (torch.zeros(3),))
+
+
 def _mean_of(y):
     mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
     with pyro.plate("n", y.shape[0] if getattr(y, "ndim", 0) else 1):
