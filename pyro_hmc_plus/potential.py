@@ -274,13 +274,16 @@ class _WhatTheSitesAreGiven(pyro.poutine.messenger.Messenger):
     """Records, as the model meets each sample site, the ones given what Pyro cannot score,
     which fail further on with errors that name no site: torch's own distributions in place
     of Pyro's (``torch_distributions``, name -> class; Pyro calls the distribution to draw
-    from it: "'Normal' object is not callable"), and observed values that are not tensors
-    (``non_tensor_observations``, name -> type; a NumPy array or a number: an
+    from it: "'Normal' object is not callable"), data passed as a positional argument where
+    ``obs=`` was meant (``positional_data``, names; Pyro passes it to the distribution as a
+    sample shape: "torch.Size() takes an iterable of 'int'"), and observed values that are
+    not tensors (``non_tensor_observations``, name -> type; a NumPy array or a number: an
     ``AttributeError`` in Pyro or torch)."""
 
     def __init__(self):
         super().__init__()
         self.torch_distributions: Dict[str, str] = {}
+        self.positional_data: List[str] = []
         self.non_tensor_observations: Dict[str, str] = {}
 
     def _process_message(self, msg):
@@ -289,6 +292,8 @@ class _WhatTheSitesAreGiven(pyro.poutine.messenger.Messenger):
         fn = msg["fn"]
         if isinstance(fn, torch.distributions.Distribution) and not isinstance(fn, TorchDistributionMixin):
             self.torch_distributions[msg["name"]] = f"torch.distributions.{type(fn).__name__}"
+        if any(torch.is_tensor(a) or hasattr(a, "__array__") for a in msg["args"]):
+            self.positional_data.append(msg["name"])
         if msg["is_observed"] and not torch.is_tensor(msg["value"]):
             self.non_tensor_observations[msg["name"]] = type(msg["value"]).__name__
 
@@ -329,6 +334,12 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             e, f"The sample sites {given.torch_distributions} are given torch's distributions, which Pyro's sample "
             "sites cannot draw from or score: use Pyro's, which wrap them with the same arguments "
             "(`import pyro.distributions as dist`, then `dist.Normal(loc, scale)`)."
+        )
+    if given.positional_data:
+        return _with_a_line(
+            e, f"The sample sites {given.positional_data} are given data as a positional argument "
+            "(`pyro.sample(name, distribution, y)`), which Pyro passes to the distribution as a sample shape. "
+            "To observe the data, write `pyro.sample(name, distribution, obs=y)`."
         )
     not_tensors = given.non_tensor_observations
     if not_tensors:

@@ -382,6 +382,20 @@ def test_torchs_own_distributions_at_sample_sites_get_an_error_naming_them():
         from_model(_with_torchs_distributions, (torch.zeros(3),))
 
 
+def _observed_positionally(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    pyro.sample("y", dist.Normal(mu, 1.0).expand([len(y)]).to_event(1), y)
+
+
+def test_data_passed_positionally_where_obs_was_meant_gets_an_error_naming_the_site():
+    """``pyro.sample("y", d, y)`` without ``obs=`` hands ``y`` to the distribution as a sample
+    shape and fails (Pyro's kernels too) with "torch.Size() takes an iterable of 'int'",
+    naming no site; the error names the site and says to write ``obs=y``."""
+    with pytest.raises(TypeError, match=r"(?s)torch.Size.*sample sites \['y'\] are given data as a positional "
+                                        r"argument.*obs=y"):
+        from_model(_observed_positionally, (torch.zeros(3),))
+
+
 def _mean_of(y):
     mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
     with pyro.plate("n", y.shape[0] if getattr(y, "ndim", 0) else 1):
