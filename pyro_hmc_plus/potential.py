@@ -455,9 +455,8 @@ def _checked_init(init_strategy: Callable, transforms: Dict[str, Transform]) -> 
                 f"init_strategy gave the latent site {site['name']!r} initial values outside its support or not "
                 f"finite ({site['fn'].support} of {type(site['fn']).__name__}): {shown[:6]}"
                 f"{' ...' if len(shown) > 6 else ''}. "
-                + ("`init_to_mean` gives a prior's mean, which is infinite or undefined for heavy tails (HalfCauchy, "
-                   "Cauchy, StudentT with df <= 1): use `init_to_median` or `init_to_uniform` for them. "
-                   if infinite else "")
+                + ("`init_to_mean` gives a prior's mean, which is infinite for some heavy-tailed priors (a "
+                   "HalfCauchy scale): use `init_to_median` or `init_to_uniform` for them. " if infinite else "")
                 + "Initial values are constrained values (a scale is positive, a probability in (0, 1)): "
                 "give finite ones inside the support, or leave the site to the fallback (init_to_uniform)"
             )
