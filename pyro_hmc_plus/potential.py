@@ -356,6 +356,19 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "them and the latent values runs in NumPy, which cannot follow the gradient. Convert them before the run: "
             "`torch.as_tensor(array, dtype=torch.get_default_dtype())` (a pandas column: `column.to_numpy()` first)."
         )
+    if "numpy() on Tensor that requires grad" in str(e):
+        return _with_a_line(
+            e, "The model turns a value computed from its latent sites into a NumPy array (`.numpy()`): NumPy cannot "
+            "follow the gradient that HMC and NUTS need, and `.detach()`, which torch suggests, cuts it (the "
+            "sampler then draws from another distribution). Write that computation with torch's functions "
+            "(`torch.tanh`, `torch.special.gammaln`, ...)."
+        )
+    if "in-place operation" in str(e):
+        return _with_a_line(
+            e, "The model writes into a latent value in place (`x[1] = 0.0`, `x += 1`), which autograd cannot "
+            "differentiate: write into a copy (`x = x.clone()` first) or build a new tensor (`torch.where`, "
+            "`torch.cat`)."
+        )
     point_masses = [] if trace is None else _latent_point_masses(trace)
     if point_masses:
         return ValueError(
@@ -679,13 +692,29 @@ def trace_at(model, model_args, model_kwargs, flat: FlatPotential, z: torch.Tens
     """One run of ``model`` with every latent site of ``flat`` at the unconstrained point
     ``z (D,)`` (conditioned on those values), the user's random stream untouched: a site left
     to sample (discrete, or one that the initial run did not have) draws from the prior.
-    ``None`` where the model fails at that point."""
+    ``None`` where the model fails at that point. A :class:`ValueError` where the model
+    changes a latent value in place (``s += 1``, ``s[0] = 1.0``): Pyro scores each site
+    after the model has run, so its potential (and these kernels') scores the changed value,
+    another model than the one written, without a word."""
     try:
         values = {name: flat.transforms[name].inv(u) for name, u in flat.layout.unpack(z).items()}
-        with torch.random.fork_rng(devices=[]):
-            return model_trace(pyro.poutine.condition(model, data=values), model_args, model_kwargs)
-    except Exception:  # noqa: BLE001 - the model fails there: nothing to compare
+    except Exception:  # noqa: BLE001 - no values there: nothing to compare
         return None
+    versions = {name: value._version for name, value in values.items()}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            trace = model_trace(pyro.poutine.condition(model, data=values), model_args, model_kwargs)
+    except Exception:  # noqa: BLE001 - the model fails there: nothing to compare
+        trace = None
+    changed = [name for name, value in values.items() if value._version != versions[name]]
+    if changed:
+        raise ValueError(
+            f"the model changes the values of the latent sites {changed} in place (as `s += 1` or `s[0] = 1.0` "
+            "do): Pyro scores each site after the model has run, so its potential (Pyro's HMC and NUTS, and "
+            "these kernels) scores the changed values, another model than the one written. Compute a new "
+            "tensor instead (`s = s + 1`; `s = s.clone()` before writing into it)"
+        )
+    return trace
 
 
 def sites_that_come_and_go(layout: SiteLayout, trace) -> Tuple[List[str], List[str]]:

@@ -9,7 +9,7 @@ from pyro.infer.mcmc.util import initialize_model
 from pyro.infer.reparam import ProjectedNormalReparam
 from pyro.ops.integrator import potential_grad
 
-from pyro_hmc_plus import SiteLayout, from_model, from_potential_fn
+from pyro_hmc_plus import HMC, NUTS, SiteLayout, from_model, from_potential_fn
 from pyro_hmc_plus.potential import (
     check_initial_point,
     flat_coordinates,
@@ -394,6 +394,57 @@ def test_data_passed_positionally_where_obs_was_meant_gets_an_error_naming_the_s
     with pytest.raises(TypeError, match=r"(?s)torch.Size.*sample sites \['y'\] are given data as a positional "
                                         r"argument.*obs=y"):
         from_model(_observed_positionally, (torch.zeros(3),))
+
+
+def _scale_plus_one(y, in_place):
+    scale = pyro.sample("scale", dist.HalfNormal(1.0))
+    if in_place:
+        scale += 1.0
+    else:
+        scale = scale + 1.0
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.Normal(0.0, scale), obs=y)
+
+
+@pytest.mark.parametrize("kernel_class", [NUTS, HMC])
+def test_a_latent_value_changed_in_place_stops_the_run_naming_the_site(kernel_class):
+    """``scale += 1.0`` changes the site's value after Pyro recorded it, and Pyro scores sites
+    after the model has run: Pyro's kernels sample another model without a word (scale's
+    HalfNormal density taken at scale + 1). The setup's model check names the site; written
+    ``scale = scale + 1.0``, the model samples."""
+    y = torch.tensor([0.5, -1.0, 2.0])
+    with pytest.raises(ValueError, match=r"changes the values of the latent sites \['scale'\] in place .*"
+                                         r"`s = s \+ 1`"):
+        pyro.infer.MCMC(kernel_class(_scale_plus_one), num_samples=5, warmup_steps=5, disable_progbar=True).run(y, True)
+    mcmc = pyro.infer.MCMC(kernel_class(_scale_plus_one), num_samples=5, warmup_steps=5, disable_progbar=True)
+    mcmc.run(y, False)
+    assert mcmc.get_samples()["scale"].shape == (5,)
+
+
+def _through_numpy(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 5.0))
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.Normal(mu + torch.as_tensor(np.tanh(mu.numpy())), 1.0), obs=y)
+
+
+def _written_into(y):
+    mu = pyro.sample("mu", dist.Normal(torch.zeros(2), 5.0).to_event(1))
+    mu[1] = 0.0
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.Normal(mu[0], 1.0), obs=y)
+
+
+@pytest.mark.parametrize("model, torch_says, line", [
+    (_through_numpy, r"Can't call numpy\(\) on Tensor that requires grad. Use tensor.detach\(\).numpy\(\)",
+     r"NumPy cannot follow the gradient .*`.detach\(\)`, which torch suggests, cuts it .*torch's functions"),
+    (_written_into, "in-place operation", r"writes into a latent value in place .*`x = x.clone\(\)` first"),
+])
+def test_autograd_errors_of_the_models_arithmetic_say_what_to_write(model, torch_says, line):
+    """A latent value through NumPy, or written into in place, stops Pyro's kernels with
+    autograd's error (for NumPy, advice that cuts the gradient and makes the sampler wrong);
+    the error says what to write instead."""
+    with pytest.raises(RuntimeError, match=rf"(?s){torch_says}.*{line}"):
+        from_model(model, (torch.zeros(3),))
 
 
 def _mean_of(y):
