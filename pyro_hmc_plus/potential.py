@@ -209,6 +209,7 @@ def from_model(
     """
     user_transforms, user_init_strategy = transforms, init_strategy
     init_strategy = _checked_init(init_strategy or init_to_uniform, transforms or {})
+    data_versions = _data_versions(model_args, model_kwargs or {})
     try:
         if transforms is not None:
             transforms = _with_default_transforms(model, model_args, model_kwargs or {}, transforms, init_strategy)
@@ -252,6 +253,7 @@ def from_model(
         if explained is e:
             raise
         raise explained from e
+    _check_the_data_are_kept(model, model_args, model_kwargs or {}, init_strategy, data_versions)
     if not init:
         raise ValueError(
             "the model has no continuous latent sites to sample: each of its sample sites is observed "
@@ -407,11 +409,16 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
     return e
 
 
+def _named_arguments(model_args, model_kwargs) -> List[Tuple[str, object]]:
+    """The model's arguments with the names the errors give them: ``"argument 0"`` for a
+    positional one, its keyword for the others."""
+    return [(f"argument {i}", a) for i, a in enumerate(model_args)] + list(model_kwargs.items())
+
+
 def _array_arguments(model_args, model_kwargs) -> List[str]:
     """The model's arguments that are arrays but not tensors (NumPy's, pandas'), as
     ``"argument 0 (ndarray)"`` or ``"x (Series)"``."""
-    named = [(f"argument {i}", a) for i, a in enumerate(model_args)] + list(model_kwargs.items())
-    return [f"{name} ({type(a).__name__})" for name, a in named
+    return [f"{name} ({type(a).__name__})" for name, a in _named_arguments(model_args, model_kwargs)
             if not torch.is_tensor(a) and hasattr(a, "__array__") and getattr(a, "ndim", 0) >= 1]
 
 
@@ -424,9 +431,40 @@ def _with_a_line(e: Exception, explanation: str) -> Exception:
 def _data_of_another_dtype(model_args, model_kwargs) -> List[str]:
     """The model's floating-point tensor arguments whose dtype is not torch's default (which
     Pyro gives the latent values), as ``"argument 0 is float64"`` or ``"x is float64"``."""
-    named = [(f"argument {i}", a) for i, a in enumerate(model_args)] + list(model_kwargs.items())
-    return [f"{name} is {str(a.dtype).replace('torch.', '')}" for name, a in named
+    return [f"{name} is {str(a.dtype).replace('torch.', '')}" for name, a in _named_arguments(model_args, model_kwargs)
             if torch.is_tensor(a) and a.is_floating_point() and a.dtype != torch.get_default_dtype()]
+
+
+def _data_versions(model_args, model_kwargs) -> Dict[str, Tuple[torch.Tensor, int]]:
+    """The model's tensor arguments by name, each with its in-place version counter now."""
+    return {name: (a, a._version) for name, a in _named_arguments(model_args, model_kwargs)
+            if torch.is_tensor(a) and not a.is_inference()}
+
+
+def _check_the_data_are_kept(model, model_args, model_kwargs, init_strategy, versions) -> None:
+    """A :class:`ValueError` where the model changes its data in place at every run
+    (``y -= y.mean()`` where ``y = y - y.mean()`` was meant): Pyro's kernels run the model at
+    every leapfrog step, so the data drift through the run, and the draws follow no
+    posterior (Pyro says nothing; these kernels' check of the traced gradient sees a
+    mismatch and falls back, with a warning that does not say why). ``versions`` are
+    :func:`_data_versions` from before the setup's first run of the model; where some moved,
+    one more run tells a change from an in-place write that leaves the values as they were
+    (``y.clamp_(0.0, 1.0)``), which samples correctly."""
+    written = {name: a for name, (a, version) in versions.items() if a._version != version}
+    if not written:
+        return
+    before = {name: a.clone() for name, a in written.items()}
+    with torch.random.fork_rng(devices=[]):
+        _trace_at_init(model, model_args, model_kwargs, init_strategy)
+    drifting = [name for name, a in written.items()
+                if not torch.equal(torch.nan_to_num(a, 0.0), torch.nan_to_num(before[name], 0.0))]
+    if drifting:
+        raise ValueError(
+            f"the model changes its data ({', '.join(drifting)}) in place at every run (as `y -= y.mean()` "
+            "does): Pyro's HMC and NUTS, and these kernels, run the model at every step, so the data drift "
+            "through the run and the draws follow no posterior. The setup's runs have changed them already: "
+            "make them again, and compute new tensors in the model (`y = y - y.mean()`)"
+        )
 
 
 def _checked_init(init_strategy: Callable, transforms: Dict[str, Transform]) -> Callable:

@@ -4,6 +4,7 @@ import pyro.distributions as dist
 import pytest
 import torch
 from pyro import poutine
+from pyro.infer import MCMC
 from pyro.infer.autoguide import init_to_mean, init_to_median, init_to_value
 from pyro.infer.mcmc.util import initialize_model
 from pyro.infer.reparam import ProjectedNormalReparam
@@ -19,6 +20,7 @@ from pyro_hmc_plus.potential import (
     trace_at,
 )
 
+from helpers import assert_mean
 from models import (
     EIGHT_SCHOOLS_SIGMA,
     EIGHT_SCHOOLS_Y,
@@ -415,8 +417,8 @@ def test_a_latent_value_changed_in_place_stops_the_run_naming_the_site(kernel_cl
     y = torch.tensor([0.5, -1.0, 2.0])
     with pytest.raises(ValueError, match=r"changes the values of the latent sites \['scale'\] in place .*"
                                          r"`s = s \+ 1`"):
-        pyro.infer.MCMC(kernel_class(_scale_plus_one), num_samples=5, warmup_steps=5, disable_progbar=True).run(y, True)
-    mcmc = pyro.infer.MCMC(kernel_class(_scale_plus_one), num_samples=5, warmup_steps=5, disable_progbar=True)
+        MCMC(kernel_class(_scale_plus_one), num_samples=5, warmup_steps=5, disable_progbar=True).run(y, True)
+    mcmc = MCMC(kernel_class(_scale_plus_one), num_samples=5, warmup_steps=5, disable_progbar=True)
     mcmc.run(y, False)
     assert mcmc.get_samples()["scale"].shape == (5,)
 
@@ -445,6 +447,29 @@ def test_autograd_errors_of_the_models_arithmetic_say_what_to_write(model, torch
     the error says what to write instead."""
     with pytest.raises(RuntimeError, match=rf"(?s){torch_says}.*{line}"):
         from_model(model, (torch.zeros(3),))
+
+
+def _shifted_in_place(y, write):
+    write(y)
+    mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
+    with pyro.plate("n", len(y)):
+        pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_data_changed_in_place_at_every_run_stop_the_setup_and_kept_ones_sample():
+    """``y -= 1.0`` in the model shifts the data at every run: Pyro's NUTS ran on, the data
+    at -273 after 200 draws (from 5), the draws following none of them. The setup names the
+    argument. An in-place write that leaves the data as they were (``clamp_`` inside their
+    range) samples, and the data stay."""
+    y = torch.full((20,), 5.0)
+    with pytest.raises(ValueError, match=r"the model changes its data \(argument 0\) in place at every run .*"
+                                         r"`y = y - y.mean\(\)`"):
+        from_model(_shifted_in_place, (y, lambda y: y.sub_(1.0)))
+    y = torch.full((20,), 5.0)
+    mcmc = MCMC(NUTS(_shifted_in_place), num_samples=200, warmup_steps=100, disable_progbar=True)
+    mcmc.run(y, lambda y: y.clamp_(-10.0, 10.0))
+    assert torch.equal(y, torch.full((20,), 5.0))
+    assert_mean(mcmc.get_samples()["mu"].numpy(), 20 * 5.0 / (20 + 1 / 10.0**2))  # the exact posterior mean
 
 
 def _mean_of(y):
