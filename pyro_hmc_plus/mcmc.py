@@ -85,7 +85,8 @@ class MCMC(pyro.infer.MCMC):
     of a round after the chain's trajectory ended (:mod:`pyro_hmc_plus.chain_batch`).
     :attr:`step_size` ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)``
     are each chain's adapted values (over the flat unconstrained vector, sites in sorted
-    order).
+    order), which the kernels take as they are (``step_size=``, ``inverse_mass_matrix=``) to
+    go on from them in another vectorized run of as many chains.
     """
 
     def __init__(
