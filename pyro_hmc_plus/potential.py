@@ -331,6 +331,7 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
         trace = _trace_at_init(given(model), model_args, model_kwargs, init_strategy)
     except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
         trace = None
+    message = str(e)
     if given.torch_distributions:
         return _with_a_line(
             e, f"The sample sites {given.torch_distributions} are given torch's distributions, which Pyro's sample "
@@ -352,20 +353,20 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "`torch.tensor(1.5)` for a number."
         )
     arrays = _array_arguments(model_args, model_kwargs)
-    if arrays and "numpy" in str(e).lower():
+    if arrays and "numpy" in message.lower():
         return _with_a_line(
             e, f"Some of the model's arguments are NumPy or pandas arrays ({', '.join(arrays)}): arithmetic between "
             "them and the latent values runs in NumPy, which cannot follow the gradient. Convert them before the run: "
             "`torch.as_tensor(array, dtype=torch.get_default_dtype())` (a pandas column: `column.to_numpy()` first)."
         )
-    if "numpy() on Tensor that requires grad" in str(e):
+    if "numpy() on Tensor that requires grad" in message:
         return _with_a_line(
             e, "The model turns a value computed from its latent sites into a NumPy array (`.numpy()`): NumPy cannot "
             "follow the gradient that HMC and NUTS need, and `.detach()`, which torch suggests, cuts it (the "
             "sampler then draws from another distribution). Write that computation with torch's functions "
             "(`torch.tanh`, `torch.special.gammaln`, ...)."
         )
-    if "in-place operation" in str(e):
+    if "in-place operation" in message:
         return _with_a_line(
             e, "The model writes into a latent value in place (`x[1] = 0.0`, `x += 1`), which autograd cannot "
             "differentiate: write into a copy (`x = x.clone()` first) or build a new tensor (`torch.where`, "
@@ -379,10 +380,10 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "To record a value computed from other sites, write `pyro.deterministic(name, value)`; for a "
             "known value, give the site `obs=value`"
         )
-    if "valid initial" in str(e):  # Pyro's "cannot find valid initial params"
+    if "valid initial" in message:  # Pyro's "cannot find valid initial params"
         culprits = sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy)
         return type(e)(
-            f"{str(e).rstrip('.')}. The potential energy was not finite at any initial point "
+            f"{message.rstrip('.')}. The potential energy was not finite at any initial point "
             "the init strategy tried"
             + (f"; at one of them, these sites' log densities are not finite: {'; '.join(culprits)}"
                if culprits else "")
@@ -398,7 +399,7 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "dtype=torch.get_default_dtype())` from NumPy or pandas."
         )
     other_dtype = _data_of_another_dtype(model_args, model_kwargs)
-    if other_dtype and ("dtype" in str(e) or "scalar type" in str(e)):
+    if other_dtype and ("dtype" in message or "scalar type" in message):
         default = str(torch.get_default_dtype()).replace("torch.", "")
         return _with_a_line(
             e, f"Some of the model's data are not {default}, torch's default dtype, which its latent values have "
