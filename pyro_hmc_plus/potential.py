@@ -456,7 +456,10 @@ def _check_the_data_are_kept(model, model_args, model_kwargs, init_strategy, ver
         return
     before = {name: a.clone() for name, a in written.items()}
     with torch.random.fork_rng(devices=[]):
-        _trace_at_init(model, model_args, model_kwargs, init_strategy)
+        try:
+            _trace_at_init(model, model_args, model_kwargs, init_strategy)
+        except Exception:  # noqa: BLE001 - a model that fails on its drifted data: the comparison says why
+            pass
     drifting = [name for name, a in written.items()
                 if not torch.equal(torch.nan_to_num(a, 0.0), torch.nan_to_num(before[name], 0.0))]
     if drifting:
