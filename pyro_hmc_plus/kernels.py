@@ -293,8 +293,8 @@ class HMC(MCMCKernel):
         ``initial_params`` (given to :class:`pyro.infer.MCMC`) and optionally ``transforms``.
     :param float step_size: initial leapfrog step size (with ``adapt_step_size``, where the search
         for a reasonable one starts at setup). Or one per chain, a 1-D tensor or list of ``C``
-        numbers, for a vectorized run of ``C`` chains in :class:`pyro_hmc_plus.MCMC` (as its
-        ``step_size`` holds them after a run, and as Stan takes one per chain): to go on from
+        numbers, for a run of ``C`` chains in :class:`pyro_hmc_plus.MCMC`, vectorized or sequential
+        (as its ``step_size`` holds them after a run, and as Stan takes one per chain): to go on from
         another run's adapted values with a trajectory length shared by the chains, so
         ``HMC`` takes ``trajectory_length`` rather than ``num_steps`` with them.
     :param float trajectory_length: ``step_size * num_steps``; default ``2 * pi``. The number of
@@ -330,7 +330,7 @@ class HMC(MCMCKernel):
         :attr:`inverse_mass_matrix`'s format (a dict from tuples of site names to blocks), or a
         tensor over the flat vector, ``(D,)`` or ``(D, D)`` as ``full_mass`` makes it, or one
         per chain, ``(C, D)`` or ``(C, D, D)``, as ``pyro_hmc_plus.MCMC.inverse_mass_matrix``
-        holds them after a vectorized run of ``C`` chains.
+        holds them after a run of ``C`` chains (vectorized or sequential), for another such run.
     """
 
     # Sample statistics recorded for every draw (warmup too), with Stan/ArviZ names.
@@ -408,6 +408,10 @@ class HMC(MCMCKernel):
         self.engine = engine
         self.max_unroll = int(max_unroll)
         self._given_inverse_mass = inverse_mass_matrix
+        # (chain, number of chains) while pyro_hmc_plus.MCMC runs chains one after another, as
+        # Pyro sets `initial_params` per chain: picks the chain's step size and metric where
+        # they are given one per chain
+        self._sequential_chain = None
         self._initial_params = None
         self._engines = {}  # args key -> GradientEngine, reused by sequential chains
         self._engine = None
@@ -507,6 +511,16 @@ class HMC(MCMCKernel):
         except torch.linalg.LinAlgError as e:
             raise not_positive from e
 
+    def _step_sizes_of_run(self, num_chains: int) -> torch.Tensor:
+        """Each chain's starting step size in a run of ``num_chains``, float64 ``(C,)`` (as
+        Python's floats: rounded once to the model's dtype): the one given, or one per chain."""
+        given = self._init_step_sizes
+        if given is None:
+            return torch.full((num_chains,), self._init_step_size, dtype=torch.float64)
+        if len(given) != num_chains:
+            raise ValueError(f"step_size holds {len(given)} values, one per chain, but the run has num_chains={num_chains}")
+        return given
+
     def _flat_inverse_mass(self, given: dict, dense: bool) -> torch.Tensor:
         """The given inverse mass matrix in :attr:`inverse_mass_matrix`'s format as one tensor
         over the flat vector, ``(D, D)`` if ``dense`` else ``(D,)``."""
@@ -548,11 +562,11 @@ class HMC(MCMCKernel):
 
     @with_autograd
     def setup(self, warmup_steps, *args, **kwargs):
-        if self._init_step_sizes is not None and len(self._init_step_sizes) > 1:
+        if self._init_step_sizes is not None and len(self._init_step_sizes) > 1 and self._sequential_chain is None:
             raise ValueError(
-                f"step_size holds {len(self._init_step_sizes)} values, one per chain: they are for a vectorized "
-                f"run of pyro_hmc_plus.MCMC with num_chains={len(self._init_step_sizes)}; a chain run on its own "
-                "(pyro.infer.MCMC, or chain_method 'sequential' or 'parallel') takes one number"
+                f"step_size holds {len(self._init_step_sizes)} values, one per chain: they are for a run of "
+                f"pyro_hmc_plus.MCMC with num_chains={len(self._init_step_sizes)}; a chain run on its own "
+                "(pyro.infer.MCMC, or chain_method='parallel') takes one number"
             )
         initial = self._initial_params
         self._reset()
@@ -689,7 +703,11 @@ class HMC(MCMCKernel):
         self._block_mask = self._mass_structure()
         _warn_of_a_singular_dense_metric(self, self._block_mask)
         dense = self._block_mask is not None
-        self._metric = self._starting_metric(self._block_mask)
+        chain, num_chains = self._sequential_chain or (0, 1)
+        if self._sequential_chain is None:
+            self._metric = self._starting_metric(self._block_mask)
+        else:  # the run's, one per chain, checked as a vectorized run checks them
+            self._metric = Metric(*(x[chain] for x in self._starting_metric(self._block_mask, (num_chains,))))
         self._schedule = (
             adaptation.adaptation_schedule(self._warmup_steps)
             if (self.adapt_step_size or self.adapt_mass_matrix)
@@ -698,7 +716,7 @@ class HMC(MCMCKernel):
         self._metric_windows = adaptation.metric_windows(self._schedule) if self.adapt_mass_matrix else []
         self._window = 0
         self._welford = adaptation.welford_init(flat.initial_z, dense) if self.adapt_mass_matrix else None
-        self._set_step_size(self._init_step_size)
+        self._set_step_size(self._step_sizes_of_run(num_chains)[chain])
         if self.adapt_step_size:  # as Pyro: searched at setup even without warmup, which adapts nothing
             self._reset_step_size_adaptation()
 

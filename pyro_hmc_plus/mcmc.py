@@ -84,9 +84,10 @@ class MCMC(pyro.infer.MCMC):
     start or chunk after the tree stopped (see :mod:`pyro_hmc_plus.rounds`), for HMC the steps
     of a round after the chain's trajectory ended (:mod:`pyro_hmc_plus.chain_batch`).
     :attr:`step_size` ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)``
-    are each chain's adapted values (over the flat unconstrained vector, sites in sorted
-    order), which the kernels take as they are (``step_size=``, ``inverse_mass_matrix=``) to
-    go on from them in another vectorized run of as many chains.
+    are each chain's adapted values after a vectorized or sequential run (over the flat
+    unconstrained vector, sites in sorted order), which the kernels take as they are
+    (``step_size=``, ``inverse_mass_matrix=``) to go on from them in another run of as many
+    chains.
     """
 
     def __init__(
@@ -200,6 +201,7 @@ class MCMC(pyro.infer.MCMC):
         interrupted, the draws made so far."""
         self.num_chains = self.sampler.num_chains  # an interrupted run may have kept fewer
         self._diagnostics = [None] * self.num_chains
+        self.step_size = self.inverse_mass_matrix = None
         try:
             super().run(*args, **kwargs)
         except KeyboardInterrupt:
@@ -209,6 +211,10 @@ class MCMC(pyro.infer.MCMC):
         draws = getattr(self.sampler, "draws", [])
         if draws and len(draws) == self.num_chains:
             self.warmup_samples = self._constrained(self._recorded(0, min(min(len(d), self.warmup_steps) for d in draws)))
+        if len(getattr(self.sampler, "adapted", [])) == self.sampler.num_chains:  # none interrupted
+            step_sizes, inverse_masses = zip(*self.sampler.adapted)
+            self.step_size = torch.tensor(step_sizes, dtype=inverse_masses[0].dtype, device=inverse_masses[0].device)
+            self.inverse_mass_matrix = torch.stack(inverse_masses)
 
     def _recorded(self, start: int, stop: int) -> torch.Tensor:
         """Draws ``start:stop`` of each chain the sequential sampler recorded, ``(C, stop - start, D)``."""
@@ -249,10 +255,8 @@ class MCMC(pyro.infer.MCMC):
         rng_state = pyro.util.get_rng_state()
         try:
             with validation:
-                # a step size per chain is for a vectorized run: kept one on eager autograd too
-                one_step_size = self.kernel._init_step_sizes is None
                 run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples,
-                                     self.leaves_per_call, self._sequential_if_eager and one_step_size)
+                                     self.leaves_per_call, self._sequential_if_eager)
                 rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
         except _EagerGradient:
             warn_user(
@@ -345,42 +349,54 @@ class _SequentialSampler(_UnarySampler):
     def run(self, *args, **kwargs):
         # each started chain's draws, warmup first, as flat unconstrained vectors, where the
         # kernel is this package's: the warmup draws (which Pyro's loop discards) and, if the
-        # run is interrupted, the draws made so far (which Pyro's accumulator loses)
-        self.draws = []
-        for chain in range(self.num_chains):
-            if isinstance(self.kernel, HMC):
-                self.draws.append([])
-            if self.initial_params is not None:
-                self.kernel.initial_params = {k: v[chain] for k, v in self.initial_params.items()}
-            bar = _setup_bar(self.warmup_steps + self.num_samples, self.disable_progbar)
-            shown = {"stage": None, "at": 0.0}
+        # run is interrupted, the draws made so far (which Pyro's accumulator loses); and each
+        # finished chain's adapted (step size, inverse mass matrix)
+        ours = isinstance(self.kernel, HMC)
+        self.draws, self.adapted = [], []
+        try:
+            for chain in range(self.num_chains):
+                if ours:
+                    self.draws.append([])
+                    self.kernel._sequential_chain = (chain, self.num_chains)
+                yield from self._run_chain(chain, *args, **kwargs)
+                if ours:
+                    self.adapted.append((self.kernel.step_size, self.kernel._metric.inverse_mass))
+        finally:
+            if ours:
+                self.kernel._sequential_chain = None  # a chain run on its own later is not this run's
 
-            def hook(kernel, params, stage, i):
-                if self.draws:
-                    self.draws[-1].append(kernel._state.z)  # the flat vector ``params`` unpacks (never written)
-                if not self.disable_progbar:
-                    now = time.monotonic()
-                    if stage != shown["stage"]:
-                        if shown["stage"] is None:
-                            bar.reset()  # rate and time left from the first draw on, not the setup
-                        shown["stage"] = stage
-                        bar.set_description(stage, refresh=False)
-                    bar.update(1)
-                    if now - shown["at"] > 0.5 or bar.n == bar.total:  # and the chain's last values
-                        shown["at"] = now
-                        bar.set_postfix(kernel.logging(), refresh=False)
-                if self.hook is not None:
-                    self.hook(kernel, params, stage, i)
+    def _run_chain(self, chain: int, *args, **kwargs):
+        if self.initial_params is not None:
+            self.kernel.initial_params = {k: v[chain] for k, v in self.initial_params.items()}
+        bar = _setup_bar(self.warmup_steps + self.num_samples, self.disable_progbar)
+        shown = {"stage": None, "at": 0.0}
 
-            try:
-                for sample in _gen_samples(self.kernel, self.warmup_steps, self.num_samples, hook,
-                                           chain if self.num_chains > 1 else None, *args, **kwargs):
-                    yield sample, chain
-            finally:
-                if not self.disable_progbar and 0 < bar.n < bar.total:  # stopped: its values then
-                    bar.set_postfix(self.kernel.logging(), refresh=False)  # (a finished chain's kernel is reset)
-                bar.close()
-            self.kernel.cleanup()
+        def hook(kernel, params, stage, i):
+            if self.draws:
+                self.draws[-1].append(kernel._state.z)  # the flat vector ``params`` unpacks (never written)
+            if not self.disable_progbar:
+                now = time.monotonic()
+                if stage != shown["stage"]:
+                    if shown["stage"] is None:
+                        bar.reset()  # rate and time left from the first draw on, not the setup
+                    shown["stage"] = stage
+                    bar.set_description(stage, refresh=False)
+                bar.update(1)
+                if now - shown["at"] > 0.5 or bar.n == bar.total:  # and the chain's last values
+                    shown["at"] = now
+                    bar.set_postfix(kernel.logging(), refresh=False)
+            if self.hook is not None:
+                self.hook(kernel, params, stage, i)
+
+        try:
+            for sample in _gen_samples(self.kernel, self.warmup_steps, self.num_samples, hook,
+                                       chain if self.num_chains > 1 else None, *args, **kwargs):
+                yield sample, chain
+        finally:
+            if not self.disable_progbar and 0 < bar.n < bar.total:  # stopped: its values then
+                bar.set_postfix(self.kernel.logging(), refresh=False)  # (a finished chain's kernel is reset)
+            bar.close()
+        self.kernel.cleanup()
 
 
 class _EagerGradient(Exception):
@@ -430,11 +446,7 @@ class _VectorizedRun:
         adapting = (k.adapt_step_size or k.adapt_mass_matrix) and self.W > 0
         self.windows = adaptation.adaptation_schedule(self.W) if adapting else []
         self.metric_updates = adaptation.metric_windows(self.windows) if k.adapt_mass_matrix else []
-        given = k._init_step_sizes  # float64, as Python's floats: rounded once to the model's dtype
-        if given is None:
-            given = torch.full((self.C,), k._init_step_size, dtype=torch.float64)
-        if len(given) != self.C:
-            raise ValueError(f"step_size holds {len(given)} values, one per chain, but the run has num_chains={self.C}")
+        given = k._step_sizes_of_run(self.C)
         if k.adapt_step_size:  # as the kernel: searched even without warmup, from each chain's given one
             given = torch.tensor([self._reasonable_step_size(state, c, float(given[c])) for c in range(self.C)],
                                  dtype=torch.float64)

@@ -366,38 +366,48 @@ def test_a_starting_metric_per_chain_and_in_dense_blocks():
     assert all(torch.equal(kernel.inverse_mass_matrix[k], v) for k, v in blocks.items())
 
 
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential"])
 @pytest.mark.parametrize("kernel_class, options", [(NUTS, {}), (pyro_hmc_plus.HMC, {"trajectory_length": 1.0})])
-def test_a_run_goes_on_from_each_chains_adapted_step_size(kernel_class, options):
-    """As Stan takes a step size per chain: a second vectorized run takes the first's adapted
-    step sizes (``mcmc.step_size``) and metrics, each chain its own. HMC's chains share the
+def test_a_run_goes_on_from_each_chains_adapted_step_size(kernel_class, options, chain_method):
+    """As Stan takes a step size per chain: a second run takes the first's adapted step sizes
+    (``mcmc.step_size``) and metrics (``mcmc.inverse_mass_matrix``), each chain its own,
+    whether the chains run vectorized or one after another. HMC's chains share the
     trajectory length, as after adaptation, and each takes ``trajectory_length / its step
     size`` steps."""
     pyro.set_rng_seed(0)
     first = pyro_hmc_plus.MCMC(kernel_class(_three_scales, **options), 50, 100, num_chains=3, disable_progbar=True,
-                               warn_on_problems=False)
+                               warn_on_problems=False, chain_method=chain_method)
     first.run()
-    assert len(set(first.step_size.tolist())) == 3
+    assert first.step_size.shape == (3,) and len(set(first.step_size.tolist())) == 3
+    assert first.inverse_mass_matrix.shape == (3, 4) and len(set(first.inverse_mass_matrix[:, 0].tolist())) == 3
     kernel = kernel_class(_three_scales, step_size=first.step_size, inverse_mass_matrix=first.inverse_mass_matrix,
                           adapt_step_size=False, adapt_mass_matrix=False, **options)
-    second = pyro_hmc_plus.MCMC(kernel, 20, 0, num_chains=3, disable_progbar=True, warn_on_problems=False)
+    second = pyro_hmc_plus.MCMC(kernel, 20, 0, num_chains=3, disable_progbar=True, warn_on_problems=False,
+                                chain_method=chain_method)
     second.run()
     assert torch.equal(second.step_size, first.step_size)
+    assert torch.equal(second.inverse_mass_matrix, first.inverse_mass_matrix)
     for chain, stats in enumerate(kernel.sample_stats[-3:]):
         assert set(stats["step_size"]) == {float(first.step_size[chain])}
         if kernel_class is not NUTS:
             assert set(stats["n_steps"]) == {max(1, int(torch.floor(1.0 / first.step_size[chain])))}
+    with pytest.raises(ValueError, match="a chain run on its own"):  # the run's chain is not kept after it
+        run(kernel, 5, 5)
 
 
 def test_a_step_size_per_chain_that_does_not_fit_the_run_gets_a_clear_error():
     steps = torch.tensor([0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match="step_size holds 3 values, one per chain, but the run has num_chains=2"):
         pyro_hmc_plus.MCMC(NUTS(_three_scales, step_size=steps), 5, 5, num_chains=2, disable_progbar=True).run()
-    for runner in (lambda kernel: run(kernel, 5, 5),
-                   lambda kernel: pyro_hmc_plus.MCMC(kernel, 5, 5, num_chains=3, chain_method="sequential",
-                                                     disable_progbar=True).run()):
-        with pytest.raises(ValueError, match=r"step_size holds 3 values, one per chain: they are for a vectorized run "
-                                             r"of pyro_hmc_plus.MCMC with num_chains=3; a chain run on its own"):
-            runner(NUTS(_three_scales, step_size=steps))
+    with pytest.raises(ValueError, match="step_size holds 3 values, one per chain, but the run has num_chains=2"):
+        pyro_hmc_plus.MCMC(NUTS(_three_scales, step_size=steps), 5, 5, num_chains=2, chain_method="sequential",
+                           disable_progbar=True).run()
+    with pytest.raises(ValueError, match=r"step_size holds 3 values, one per chain: they are for a run of "
+                                         r"pyro_hmc_plus.MCMC with num_chains=3; a chain run on its own"):
+        run(NUTS(_three_scales, step_size=steps), 5, 5)
+    with pytest.raises(ValueError, match=r"inverse_mass_matrix has shape \(2, 4\).* or \(3, 4\) with one per chain"):
+        pyro_hmc_plus.MCMC(NUTS(_three_scales, inverse_mass_matrix=torch.ones(2, 4)), 5, 5, num_chains=3,
+                           chain_method="sequential", disable_progbar=True).run()
     with pytest.raises(ValueError, match="give trajectory_length .* instead of num_steps"):
         pyro_hmc_plus.HMC(_three_scales, step_size=steps, num_steps=5)
     for bad in ([0.1, -0.2], [], [[0.1]], "0.1", float("inf")):
