@@ -223,13 +223,16 @@ def _regression(x, y):
 
 
 @pytest.mark.parametrize("x, y, why", [
-    (torch.ones(4), torch.tensor([0.0, 1.0, float("nan"), 2.0]), r"'y' \(observed\): 1 of 4 values are NaN, first at index \(2,\)"),
+    (torch.ones(4), torch.tensor([0.0, 1.0, float("nan"), 2.0]),
+     r"'y' \(observed\): 1 of 4 values are NaN, first at index \(2,\) \(if NaN marks missing values, observe the "
+     r"others: keep = ~data.isnan\(\), then data\[keep\]"),
     (torch.tensor([1.0, float("nan"), float("nan"), 2.0]), torch.ones(4),
      r"'y' \(observed\): 2 of 4 values have a NaN log density: a parameter .* first at index \(1,\)"),
 ])
 def test_data_without_a_finite_potential_get_an_error_naming_the_site_and_the_values(x, y, why):
-    """NaN in the observations and NaN in a covariate: Pyro says only "Model specification
-    seems incorrect - cannot find valid initial params". (``MCMC.run`` turns Pyro's
+    """NaN in the observations (pandas' mark of a missing value: the error says how to leave
+    them out) and NaN in a covariate: Pyro says only "Model specification seems incorrect -
+    cannot find valid initial params". (``MCMC.run`` turns Pyro's
     validation off, which would otherwise stop at the first invalid value.)"""
     with pytest.raises(ValueError, match="cannot find valid initial params.*" + why), pyro.validation_enabled(False):
         from_model(_regression, (x, y))
