@@ -553,10 +553,12 @@ class GradientEngine:
     @staticmethod
     def _first_that_runs(build, candidates):
         """``build(inputs)`` for the first of ``candidates`` (argument tuples) at which it
-        succeeds: tracing runs the program once, and a model may fail numerically at one
-        example (e.g. a Cholesky beyond its support) but not at another. The result does not
-        depend on which example was used (the program has no control flow). ``None`` if the
-        model fails numerically at every candidate."""
+        succeeds: tracing runs the program once, and it may fail numerically at one example
+        (e.g. a Cholesky beyond its support) but not at another. The traced gradient does not
+        raise there (its error checks are not recorded: it gives NaN, a divergence); the
+        function around it, or a compiler's run, may. The result does not depend on which
+        example was used (the program has no control flow). ``None`` if it fails numerically
+        at every candidate."""
         for inputs in candidates:
             try:
                 return build(inputs)

@@ -647,6 +647,32 @@ def test_a_program_that_disagrees_with_its_function_is_recorded_around_eager_aut
         assert torch.allclose(U, expected_U) and torch.allclose(g, expected_g)
 
 
+def test_a_program_that_fails_numerically_at_every_example_runs_on_eager_autograd():
+    """Recording a program runs it once, at one example after another; where it fails
+    numerically at all of them (a Cholesky beyond |z[0]| = 2), it runs on eager autograd
+    with a warning, the engine stays traced for the rest, and the program gives what the
+    function gives where it is defined. (The traced gradient itself gives NaN there rather
+    than raising: its error checks are not recorded, and NaN is a divergence.)"""
+    engine = GradientEngine(from_potential_fn(lambda p: 0.5 * (p["x"] ** 2).sum(), {"x": torch.tensor([0.5, -1.0])}))
+    assert engine.name == "trace"
+
+    def step_with_a_cholesky(value_and_grad, z, eps):
+        U, g = value_and_grad(z)
+        factor = torch.linalg.cholesky(torch.diag(torch.stack([torch.ones_like(z[0]), 4.0 - z[0] ** 2])))
+        return U + factor.diagonal().log().sum(), z - eps * g
+
+    eps, outside = torch.tensor(0.3), torch.tensor([3.0, 0.0])
+    with pytest.warns(EngineFallbackWarning, match="failed numerically .* at every point where a sampler program"):
+        program = engine.program(step_with_a_cholesky, (outside, eps), [(outside, eps), (outside + 1, eps)])
+    assert engine.name == "trace"
+    for z in (torch.tensor([0.5, -1.0]), torch.tensor([-0.7, 0.2])):
+        U, z_next = program(z, eps)
+        expected_U, expected_z = step_with_a_cholesky(engine.eager_value_and_grad, z, eps)
+        assert torch.allclose(U, expected_U) and torch.allclose(z_next, expected_z)
+    with pytest.raises(torch.linalg.LinAlgError):  # as the function fails: the sampler's divergence
+        program(outside, eps)
+
+
 def test_errors_inside_a_model_on_eager_autograd_come_out_of_its_programs_as_they_are():
     """Static Runtime, which runs the programs around the eager gradient, passes on what
     the model raises unchanged (TorchScript's interpreter turns any error into a
