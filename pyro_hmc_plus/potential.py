@@ -919,7 +919,7 @@ def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_st
             }
     except Exception:  # noqa: BLE001 - the caller keeps Pyro's error
         return []
-    described = []
+    described, hinted = [], False
     for name, log_density in log_densities.items():
         finite = torch.isfinite(log_density)
         if finite.all():
@@ -946,6 +946,7 @@ def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_st
         where = f", first at index {first}" if bad.dim() else ""
         missing = (" (if NaN marks missing values, observe the others: keep = ~data.isnan(), then data[keep] "
                    "and the same rows of any covariates)") if nan.any() and site["is_observed"] else ""
+        hinted, missing = hinted or bool(missing), "" if hinted else missing  # said once, at the first
         described.append(f"'{name}' ({kind}): {int(bad.sum())} of {bad.numel()} values {why}{where}{missing}")
     return described
 

@@ -595,7 +595,8 @@ def test_initial_params_missing_a_site_and_data_without_a_finite_potential_get_c
         run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([1.0, -1.0]))  # a Poisson count below 0
     start = {"mu": torch.tensor(0.0), "rate": torch.tensor(0.0)}  # fine: the data are not
     with pytest.raises(ValueError, match=r"initial point is nan; .*'y' \(observed\): 1 of 2 values are NaN, "
-                                         r"first at index \(0,\); 'x' \(observed\)"):
+                                         r"first at index \(0,\) \(if NaN marks missing values, [^;]*\); 'x' \(observed\): "
+                                         r"1 of 2 values are NaN, first at index \(0,\)\. Check"):  # the hint once
         run(NUTS(_normal_and_poisson), 5, 5, torch.tensor([float("nan"), 1.0]), initial_params=start)
 
 
