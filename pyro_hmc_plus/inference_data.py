@@ -48,9 +48,9 @@ class SamplingWarning(UserWarning):
     is improper along them), a latent site's support moves with other latent sites (Pyro's
     transforms fix it at the initial values), a latent angle's density repeats every turn
     (its draws wander over many turns), observed data broadcast against their distribution
-    into an outer product, the gradient misses part of the potential (the model cuts
-    it), or a dense mass matrix has no fewer dimensions than warmup has draws to estimate
-    it from."""
+    into an outer product, data were left out of the run (``obs=None`` makes them latent),
+    the gradient misses part of the potential (the model cuts it), or a dense mass matrix
+    has no fewer dimensions than warmup has draws to estimate it from."""
 
 
 class SampleStats(dict):

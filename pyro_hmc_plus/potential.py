@@ -13,6 +13,7 @@ Everything here is eager and exact; making the gradient cheap is the job of
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -808,6 +809,30 @@ def _checking_the_sites(potential_fn: Callable, layout: SiteLayout) -> Callable:
         return U
 
     return potential_of_the_same_sites
+
+
+def data_left_out(model, model_args, model_kwargs, layout: SiteLayout) -> List[str]:
+    """The latent sites of ``layout`` that look like data the run did not get: each named
+    like one of the model's arguments that is ``None`` in this run (given so, or left at its
+    default), or named ``obs`` (as Pyro's tutorials name the likelihood) while one is,
+    described as ``"'obs' (100 values; y is None)"``. ``obs=None`` makes a site latent, so a
+    forgotten ``y=y`` samples the data as unknowns and the other sites from their prior,
+    with Pyro's kernels as with these, without a word. A model in Pyro's handlers has the
+    model's signature (``__wrapped__``); empty where there is none to read."""
+    try:
+        bound = inspect.signature(model).bind_partial(*model_args, **model_kwargs)
+    except (TypeError, ValueError):
+        return []
+    bound.apply_defaults()
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    missing = [name for name, value in bound.arguments.items()
+               if value is None and bound.signature.parameters[name].kind not in variadic]
+    found = []
+    for name, size in zip(layout.names, layout.sizes):
+        if name in missing or (name == "obs" and missing):
+            why = f"{name} is None" if name in missing else f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} None"
+            found.append(f"{name!r} ({size:,} values; {why})")
+    return found
 
 
 def data_broadcast_against_their_distributions(trace, layout: SiteLayout) -> List[str]:

@@ -748,6 +748,36 @@ def test_data_broadcast_against_their_distribution_are_named_before_the_run():
         assert _setup_warnings(_regression, x_, y, plate) == []
 
 
+def _regression_with_optional_data(x, y=None, site="obs"):
+    a = pyro.sample("a", dist.Normal(0.0, 10.0))
+    with pyro.plate("n", len(x)):
+        pyro.sample(site, dist.Normal(a * x, 1.0), obs=y)
+
+
+def test_data_left_out_of_the_run_are_named_before_the_run():
+    """``run(x)`` where the model is ``model(x, y=None)``: ``obs=None`` makes the data a
+    latent site, and the other sites follow their prior (Pyro's NUTS on 100 points: 134 s,
+    the prior, without a word). The kernels say so at setup for a site named ``obs`` or
+    named like the argument, also for a model wrapped in a handler (whose signature is the
+    model's) or not given its data by keyword; not where the data are given, by position or
+    keyword, nor for a latent site of another name."""
+    x = torch.arange(5.0)
+    advice = "are sampled as unknowns: the model got no data for them"
+    assert [m.split(" are sampled")[0] for m in _setup_warnings(_regression_with_optional_data, x)] == [
+        "the latent sites 'obs' (5 values; y is None)"]
+    assert [m.split(" are sampled")[0] for m in _setup_warnings(_regression_with_optional_data, x, None, "y")] == [
+        "the latent sites 'y' (5 values; y is None)"]
+    for given in ((x, 2 * x), (x, 2 * x, "y")):
+        assert _setup_warnings(_regression_with_optional_data, *given) == []
+    assert _setup_warnings(lambda x, y=None: _regression_with_optional_data(x, y=y), x) != []
+    assert _setup_warnings(_regression_with_optional_data, x, None, "z") == []
+    assert _setup_warnings(pyro.poutine.scale(_regression_with_optional_data, 1.0), x) != []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", pyro_hmc_plus.SamplingWarning)
+        NUTS(_regression_with_optional_data).setup(0, x=x)
+    assert [advice in str(w.message) for w in caught] == [True]
+
+
 def _angle():
     pyro.sample("a", dist.VonMises(0.5, 2.0))
 
