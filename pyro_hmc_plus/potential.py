@@ -681,7 +681,16 @@ def from_potential_fn(potential_fn: Callable, initial_params, transforms=None) -
     layout = SiteLayout.of(params)
     z0 = layout.pack(params)
     flat = FlatPotential(potential_fn, layout, transforms or {}, z0, source="potential_fn")
-    check_initial_point(flat, z0)
+    try:
+        check_initial_point(flat, z0)
+    except RuntimeError as e:  # autograd's words, which name neither the params nor the remedy
+        if not any(words in str(e) for words in ("in-place operation", "modified inplace")):  # one site, several
+            raise
+        raise _with_a_line(
+            e, f"The potential_fn writes into one of its params ({', '.join(layout.names)}) in place (`q -= 1.0`, "
+            "`q[0] = 0.0`): they are what autograd differentiates the potential with respect to. Compute a new "
+            "tensor (`q = q - 1.0`) or write into a copy (`q = q.clone()` first)."
+        ) from e
     return flat
 
 

@@ -452,6 +452,23 @@ def test_autograd_errors_of_the_models_arithmetic_say_what_to_write(model, torch
         from_model(model, (torch.zeros(3),))
 
 
+def test_a_potential_fn_that_writes_into_its_params_gets_an_error_naming_them():
+    """``q -= 1.0`` on a param: Pyro's kernels stop with autograd's "a leaf Variable that
+    requires grad is being used in an in-place operation", naming nothing. The flat vector's
+    params raise it for one site and, for several (views that one split made), "Output 0 of
+    SplitWithSizes is a view and is being modified inplace"."""
+    def shifted_in_place(params):
+        q = params["q"]
+        q -= 1.0
+        return 0.5 * (q**2).sum()
+
+    for params, torch_says in (({"q": torch.zeros(2)}, "in-place operation"),
+                               ({"q": torch.zeros(2), "s": torch.tensor(0.0)}, "is being modified inplace")):
+        with pytest.raises(RuntimeError, match=rf"(?s){torch_says}.*The potential_fn writes into one of its params "
+                                               rf"\({', '.join(params)}\) in place .*`q = q - 1.0`"):
+            from_potential_fn(shifted_in_place, params)
+
+
 def _shifted_in_place(y, write):
     write(y)
     mu = pyro.sample("mu", dist.Normal(0.0, 10.0))
