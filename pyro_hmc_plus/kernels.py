@@ -346,7 +346,8 @@ class HMC(MCMCKernel):
         :attr:`inverse_mass_matrix`'s format (a dict from tuples of site names to blocks), or a
         tensor over the flat vector, ``(D,)`` or ``(D, D)`` as ``full_mass`` makes it, or one
         per chain, ``(C, D)`` or ``(C, D, D)``, as ``pyro_hmc_plus.MCMC.inverse_mass_matrix``
-        holds them after a run of ``C`` chains (vectorized or sequential), for another such run.
+        holds them after a run of ``C`` chains (vectorized or sequential), for another such run
+        (a chain run on its own takes ``(1, D)``, as after a run of one chain).
     """
 
     # Sample statistics recorded for every draw (warmup too), with Stan/ArviZ names.
@@ -720,11 +721,8 @@ class HMC(MCMCKernel):
         self._block_mask = self._mass_structure()
         _warn_of_a_singular_dense_metric(self, self._block_mask)
         dense = self._block_mask is not None
-        chain, num_chains = self._sequential_chain or (0, 1)
-        if self._sequential_chain is None:
-            self._metric = self._starting_metric(self._block_mask)
-        else:  # the run's, one per chain, checked as a vectorized run checks them
-            self._metric = Metric(*(x[chain] for x in self._starting_metric(self._block_mask, (num_chains,))))
+        chain, num_chains = self._sequential_chain or (0, 1)  # a chain run on its own: a run of one
+        self._metric = Metric(*(x[chain] for x in self._starting_metric(self._block_mask, (num_chains,))))
         self._schedule = (
             adaptation.adaptation_schedule(self._warmup_steps)
             if (self.adapt_step_size or self.adapt_mass_matrix)

@@ -395,6 +395,20 @@ def test_a_run_goes_on_from_each_chains_adapted_step_size(kernel_class, options,
         run(kernel, 5, 5)
 
 
+def test_a_chain_run_on_its_own_goes_on_from_a_run_of_one_chain():
+    """``pyro_hmc_plus.MCMC`` with one chain gives ``step_size`` ``(1,)`` and
+    ``inverse_mass_matrix`` ``(1, D)``, which a chain in ``pyro.infer.MCMC`` takes."""
+    pyro.set_rng_seed(0)
+    first = pyro_hmc_plus.MCMC(NUTS(_three_scales), 50, 100, disable_progbar=True, warn_on_problems=False)
+    first.run()
+    assert first.step_size.shape == (1,) and first.inverse_mass_matrix.shape == (1, 4)
+    kernel = NUTS(_three_scales, step_size=first.step_size, inverse_mass_matrix=first.inverse_mass_matrix,
+                  adapt_step_size=False, adapt_mass_matrix=False)
+    run(kernel, 10, 0)
+    assert kernel.step_size == first.step_size.item()
+    assert torch.equal(kernel.inverse_mass_matrix[("x", "y")], first.inverse_mass_matrix[0])
+
+
 def test_a_step_size_per_chain_that_does_not_fit_the_run_gets_a_clear_error():
     steps = torch.tensor([0.1, 0.2, 0.3])
     with pytest.raises(ValueError, match="step_size holds 3 values, one per chain, but the run has num_chains=2"):
@@ -420,7 +434,7 @@ def test_a_step_size_per_chain_that_does_not_fit_the_run_gets_a_clear_error():
     ({("x",): torch.ones(3)}, r"has the blocks \[\('x',\)\]; with full_mass=False this model's are \[\('x', 'y'\)\]"),
     ({("x", "y"): torch.ones(3)}, r"inverse_mass_matrix\[\('x', 'y'\)\] has shape \(3,\), expected \(4,\)"),
     (torch.tensor([1.0, 1.0, -1.0, 1.0]), "must be finite and positive definite"),
-    (torch.ones(2, 4), r"it is \(4,\)$"),  # one per chain, for a single chain
+    (torch.ones(2, 4), r"it is \(4,\), or \(1, 4\) with one per chain$"),  # two chains', for a single chain
 ])
 def test_a_starting_metric_that_does_not_fit_the_model_gets_a_clear_error(given, error):
     with pytest.raises(ValueError, match=error):
