@@ -203,13 +203,6 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _draws_random_numbers(func):
-            raise UntraceableModel(
-                f"the potential draws random numbers ({func.overloadpacket.__name__}), so its value changes "
-                "from call to call, and HMC needs the same value at the same point: generate data "
-                "outside the model, and put modules with dropout in eval mode",
-                eager_is_correct=False,
-            )
         from_inputs = self._from_inputs is not None and self.computed_from_inputs(_tensors_of((args, kwargs)))
         if from_inputs:
             self._refuse_escapes(func, args)
@@ -303,7 +296,42 @@ def _record(fn, example_inputs, check_escapes: bool = False,
     with recorder, LatentTaint(recorder) if check_escapes else contextlib.nullcontext():
         out = fn(*example_inputs)
     graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
+    _erase_unused_random_draws(graph)
     return module_class(root, graph)
+
+
+def _erase_unused_random_draws(graph: torch.fx.Graph) -> None:
+    """Erase the random draws whose values reach no output, with the operations on them
+    alone: a posterior predictive draw inside the model (``pyro.deterministic("y_rep",
+    dist.Normal(mu, s).sample())``, which Pyro scores 0 whatever it is) leaves the
+    potential one function of the latent values. An :class:`UntraceableModel` where a draw
+    reaches an output (data drawn in the model, dropout in training mode): the function's
+    value changes from call to call, and HMC needs the same value at the same point."""
+    reaching, stack = set(), [graph.output_node()]
+    while stack:
+        for node in stack.pop().all_input_nodes:
+            if node not in reaching:
+                reaching.add(node)
+                stack.append(node)
+    draws = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+             and _draws_random_numbers(n.target)]
+    for node in draws:
+        if node in reaching:
+            raise UntraceableModel(
+                f"the potential draws random numbers ({node.target.overloadpacket.__name__}), so its value changes "
+                "from call to call, and HMC needs the same value at the same point: generate data "
+                "outside the model, and put modules with dropout in eval mode",
+                eager_is_correct=False,
+            )
+    downstream, stack = set(draws), list(draws)
+    while stack:
+        for user in stack.pop().users:
+            if user not in downstream:
+                downstream.add(user)
+                stack.append(user)
+    for node in reversed(list(graph.nodes)):  # users first
+        if node in downstream:
+            graph.erase_node(node)
 
 
 class _GraphInProgress(torch.fx.GraphModule):

@@ -2515,6 +2515,36 @@ def _dropout_in_training_mode():
     pyro.sample("y", dist.Normal(torch.nn.functional.dropout(w, 0.5, training=True).sum(), 1.0), obs=torch.tensor(1.0))
 
 
+def _posterior_predictive_drawn_in_the_model():
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    pyro.deterministic("y_rep", dist.Normal(mu, 1.0).sample())
+    pyro.sample("y", dist.Normal(mu, 1.0), obs=torch.tensor(1.0))
+
+
+def test_a_random_draw_that_the_potential_does_not_use_keeps_the_traced_engine():
+    """Pyro scores a ``pyro.deterministic`` site 0 whatever its value, so a posterior
+    predictive draw inside the model leaves the potential one function of the latent values:
+    the engine traces it without a word (it fell back to eager autograd, with a warning that
+    the draws might be wrong), and the draws follow the exact posterior, ``mu | y = 1`` ~
+    N(0.5, 1/2); the draw itself is still made at each replay of the model (ArviZ's export),
+    from the predictive distribution N(mu, 1)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", EngineFallbackWarning)
+        engine = GradientEngine(from_model(_posterior_predictive_drawn_in_the_model))
+        assert engine.name == "trace"
+        pyro.set_rng_seed(0)
+        mcmc = pyro_hmc_plus.MCMC(NUTS(_posterior_predictive_drawn_in_the_model), 2000, 500, num_chains=2,
+                                  disable_progbar=True, warn_on_problems=False)
+        mcmc.run()
+    mu = mcmc.get_samples()["mu"].numpy()
+    assert_mean(mu, 0.5)
+    assert_variance(mu, 0.5)
+    posterior = mcmc.to_inference_data().posterior
+    residual = (posterior["y_rep"] - posterior["mu"]).values.reshape(-1)
+    assert_mean(residual, 0.0)
+    assert_variance(residual, 1.0)
+
+
 @pytest.mark.parametrize("model", [_data_drawn_in_the_model, _dropout_in_training_mode])
 def test_a_potential_that_draws_random_numbers_is_named_as_such(model):
     """A potential that draws random numbers has no one value at a point. The fallback
