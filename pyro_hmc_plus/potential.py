@@ -978,9 +978,10 @@ def sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_st
                                  "mass such as `Delta`) or a parameter is at the edge of its range (a scale of 0)")
         first = tuple(int(i) for i in bad.nonzero()[0]) if bad.dim() else ()
         where = f", first at index {first}" if bad.dim() else ""
-        missing = (" (if NaN marks missing values, observe the others: keep = ~data.isnan(), then data[keep] "
-                   "and the same rows of any covariates)") if nan.any() and site["is_observed"] else ""
-        hinted, missing = hinted or bool(missing), "" if hinted else missing  # said once, at the first
+        missing = "" if hinted or not (nan.any() and site["is_observed"]) else (  # said once, at the first
+            " (if NaN marks missing values, observe the others: keep = ~data.isnan(), then data[keep] and the "
+            "same rows of any covariates)")
+        hinted = hinted or bool(missing)
         described.append(f"'{name}' ({kind}): {int(bad.sum())} of {bad.numel()} values {why}{where}{missing}")
     return described
 
