@@ -249,7 +249,7 @@ def from_model(
             "site: a prior that cannot be sampled (e.g. ImproperUniform) needs "
             "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
         ) from e
-    except (AttributeError, TypeError, RuntimeError, ValueError) as e:
+    except (AttributeError, TypeError, RuntimeError, ValueError, ZeroDivisionError) as e:
         explained = _explained(e, model, model_args, model_kwargs or {}, init_strategy)
         if explained is e:
             raise
@@ -333,6 +333,11 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
     except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
         trace = None
     message = str(e)
+    if isinstance(e, ZeroDivisionError) and message == "size cannot be zero":  # Pyro's, for pyro.plate(name, 0)
+        return _with_a_line(
+            e, "A `pyro.plate` of the model has size 0: the data it runs over are empty (`len(y)` is 0: filtered "
+            "away, or not loaded). Check the data given to run()."
+        )
     if given.torch_distributions:
         return _with_a_line(
             e, f"The sample sites {given.torch_distributions} are given torch's distributions, which Pyro's sample "

@@ -238,6 +238,14 @@ def test_data_without_a_finite_potential_get_an_error_naming_the_site_and_the_va
         from_model(_regression, (x, y))
 
 
+def test_empty_data_under_a_plate_get_a_line_saying_so():
+    """``pyro.plate("data", len(y))`` of empty data: Pyro's kernels stop with "size cannot
+    be zero", which names neither the plate nor the data."""
+    with pytest.raises(ZeroDivisionError, match=r"(?s)size cannot be zero.*A `pyro.plate` of the model has size 0: "
+                                                r"the data it runs over are empty"):
+        from_model(_regression, (torch.zeros(0), torch.zeros(0)))
+
+
 def _point_mass_of_a_constant():
     pyro.sample("x", dist.Delta(torch.tensor(1.0)))
 
