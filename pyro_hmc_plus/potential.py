@@ -832,9 +832,11 @@ def data_left_out(model, model_args, model_kwargs, layout: SiteLayout) -> List[s
     described as ``"'obs' (100 values; y is None)"``. ``obs=None`` makes a site latent, so a
     forgotten ``y=y`` samples the data as unknowns and the other sites from their prior,
     with Pyro's kernels as with these, without a word. A model in Pyro's handlers has the
-    model's signature (``__wrapped__``); empty where there is none to read."""
+    model's signature (``__wrapped__``), a ``PyroModule`` its ``forward``'s; empty where there
+    is none to read."""
     try:
-        bound = inspect.signature(model).bind_partial(*model_args, **model_kwargs)
+        signature = inspect.signature(model.forward if isinstance(model, torch.nn.Module) else model)
+        bound = signature.bind_partial(*model_args, **model_kwargs)
     except (TypeError, ValueError):
         return []
     bound.apply_defaults()

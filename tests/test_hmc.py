@@ -754,13 +754,18 @@ def _regression_with_optional_data(x, y=None, site="obs"):
         pyro.sample(site, dist.Normal(a * x, 1.0), obs=y)
 
 
+class _RegressionModule(pyro.nn.PyroModule):
+    def forward(self, x, y=None):
+        return _regression_with_optional_data(x, y)
+
+
 def test_data_left_out_of_the_run_are_named_before_the_run():
     """``run(x)`` where the model is ``model(x, y=None)``: ``obs=None`` makes the data a
     latent site, and the other sites follow their prior (Pyro's NUTS on 100 points: 134 s,
     the prior, without a word). The kernels say so at setup for a site named ``obs`` or
     named like the argument, also for a model wrapped in a handler (whose signature is the
-    model's) or not given its data by keyword; not where the data are given, by position or
-    keyword, nor for a latent site of another name."""
+    model's), a ``PyroModule`` (its ``forward``'s) or one not given its data by keyword; not
+    where the data are given, by position or keyword, nor for a latent site of another name."""
     x = torch.arange(5.0)
     advice = "are sampled as unknowns: the model got no data for them"
     assert [m.split(" are sampled")[0] for m in _setup_warnings(_regression_with_optional_data, x)] == [
@@ -772,6 +777,7 @@ def test_data_left_out_of_the_run_are_named_before_the_run():
     assert _setup_warnings(lambda x, y=None: _regression_with_optional_data(x, y=y), x) != []
     assert _setup_warnings(_regression_with_optional_data, x, None, "z") == []
     assert _setup_warnings(pyro.poutine.scale(_regression_with_optional_data, 1.0), x) != []
+    assert _setup_warnings(_RegressionModule(), x) != [] and _setup_warnings(_RegressionModule(), x, 2 * x) == []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", pyro_hmc_plus.SamplingWarning)
         NUTS(_regression_with_optional_data).setup(0, x=x)
