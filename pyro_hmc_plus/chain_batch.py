@@ -64,10 +64,11 @@ class StepSize(NamedTuple):
 
 def _adapted(step_size: StepSize, accept_prob, adapt, finishing_warmup, schedule: Schedule) -> StepSize:
     """Dual averaging for the chains with ``adapt``; at the end of warmup
-    (``finishing_warmup``) the averaged step size is used from then on, as Stan does."""
+    (``finishing_warmup``) the averaged step size is used from then on, as Stan does; each
+    within the schedule's bounds."""
     dual = dual_averaging_update(step_size.dual, accept_prob, schedule.target_accept)
-    value = torch.minimum(torch.maximum(dual.log_step_size.exp(), schedule.min_step_size), schedule.max_step_size)
-    value = torch.where(finishing_warmup, dual.log_step_size_avg.exp(), value)
+    value = torch.where(finishing_warmup, dual.log_step_size_avg, dual.log_step_size).exp()
+    value = torch.minimum(torch.maximum(value, schedule.min_step_size), schedule.max_step_size)
     return select(adapt, StepSize(value, dual), step_size)
 
 

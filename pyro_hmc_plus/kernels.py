@@ -334,8 +334,9 @@ class HMC(MCMCKernel):
     :param ignore_jit_warnings: accepted for compatibility; ignored.
     :param float target_accept_prob: target of step-size adaptation (default 0.8).
     :param init_strategy: Pyro init strategy (default ``init_to_uniform``).
-    :param float min_stepsize: lower bound of the step size during adaptation.
-    :param float max_stepsize: upper bound of the step size during adaptation.
+    :param float min_stepsize: lower bound of the adapted step size (during warmup, and the
+        average it ends with).
+    :param float max_stepsize: upper bound of the adapted step size.
     :param str engine: ``"auto"``, ``"trace"``, ``"aot"``, ``"inductor"`` or ``"eager"`` (see
         :mod:`pyro_hmc_plus.engine`).
     :param int max_unroll: most leapfrog steps fused into one compiled call; longer
@@ -739,6 +740,10 @@ class HMC(MCMCKernel):
         self._step_size = float(value)
         self._step_size_tensor = torch.tensor(self._step_size, dtype=self._flat.dtype, device=self._flat.device)
 
+    def _set_adapted_step_size(self, log_step_size: float):
+        """Dual averaging's step size, within ``[min_stepsize, max_stepsize]``."""
+        self._set_step_size(min(max(math.exp(log_step_size), self.min_stepsize), self.max_stepsize))
+
     def _reset_step_size_adaptation(self):
         self._set_step_size(
             adaptation.find_reasonable_step_size(
@@ -761,16 +766,14 @@ class HMC(MCMCKernel):
             self._dual_avg = adaptation.dual_averaging_update(
                 self._dual_avg, accept_prob, self.target_accept_prob
             )
-            self._set_step_size(
-                min(max(math.exp(self._dual_avg.log_step_size), self.min_stepsize), self.max_stepsize)
-            )
+            self._set_adapted_step_size(self._dual_avg.log_step_size)
         if slow:
             self._welford = adaptation.welford_update(self._welford, self._state.z)
         if i != window.end:
             return
         if self._window == last:
-            if self.adapt_step_size:
-                self._set_step_size(math.exp(self._dual_avg.log_step_size_avg))
+            if self.adapt_step_size:  # the average, as Stan, within the bounds as every step before
+                self._set_adapted_step_size(self._dual_avg.log_step_size_avg)
         elif slow:
             cov = adaptation.welford_covariance(self._welford)
             if self._block_mask is not None:

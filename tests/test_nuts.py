@@ -8,6 +8,7 @@ import json
 import math
 import pathlib
 import pickle
+import warnings
 
 import arviz as az
 import numpy as np
@@ -407,6 +408,28 @@ def test_a_chain_run_on_its_own_goes_on_from_a_run_of_one_chain():
     run(kernel, 10, 0)
     assert kernel.step_size == first.step_size.item()
     assert torch.equal(kernel.inverse_mass_matrix[("x", "y")], first.inverse_mass_matrix[0])
+
+
+def _noisy_potential(params):
+    """A potential with noise of sd 3 at every call: no step size is accepted at the target
+    rate, so dual averaging drives it down without end."""
+    return 0.5 * (params["x"] ** 2).sum() + 3.0 * torch.randn(())
+
+
+def test_the_adapted_step_size_stays_within_its_bounds():
+    """``min_stepsize`` bounds the adapted step size, the warmup's average at its end
+    included (it was ~1e-8 against a bound of 0.01), for one chain and vectorized chains."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", pyro_hmc_plus.EngineFallbackWarning)  # the noise: eager autograd
+        pyro.set_rng_seed(0)
+        kernel = NUTS(potential_fn=_noisy_potential, max_tree_depth=2, min_stepsize=0.01)
+        run(kernel, 5, 100, initial_params={"x": torch.zeros(2)})
+        chains = pyro_hmc_plus.MCMC(NUTS(potential_fn=_noisy_potential, max_tree_depth=2, min_stepsize=0.01), 5, 100,
+                                    num_chains=2, chain_method="vectorized", initial_params={"x": torch.zeros(2, 2)},
+                                    disable_progbar=True, warn_on_problems=False)
+        chains.run()
+    assert kernel.step_size == 0.01
+    assert (chains.step_size == torch.tensor(0.01)).all()
 
 
 def test_a_step_size_per_chain_that_does_not_fit_the_run_gets_a_clear_error():
