@@ -313,13 +313,15 @@ class HMC(MCMCKernel):
         (as its ``step_size`` holds them after a run, and as Stan takes one per chain): to go on from
         another run's adapted values with a trajectory length shared by the chains, so
         ``HMC`` takes ``trajectory_length`` rather than ``num_steps`` with them.
-    :param float trajectory_length: ``step_size * num_steps``; default ``2 * pi``. The number of
+    :param float trajectory_length: default ``step_size * num_steps``, else ``2 * pi``. The number of
         steps is ``max(1, int(trajectory_length / step_size))``, so it follows the adapted step size.
         Where the adapted mass matrix fits a near-Gaussian posterior, ``2 * pi`` is about one
         whole turn of it, in Pyro's HMC as here: each trajectory ends near its start and the
         draws barely move (a 1-D normal: 7 steps of 0.84, 6.08 rad, a variance of 0.005 for
         0.1). NUTS chooses the length itself; with HMC, a shorter one (``pi / 2``) avoids it.
-    :param int num_steps: leapfrog steps per transition; sets ``trajectory_length`` if given.
+    :param int num_steps: leapfrog steps per transition: sets ``trajectory_length`` to
+        ``step_size * num_steps`` where that is not given (as in Pyro, a given
+        ``trajectory_length`` overrides it).
     :param bool adapt_step_size: search a reasonable step size at setup (also without warmup, as
         Pyro does), then dual averaging to ``target_accept_prob`` during warmup.
     :param bool adapt_mass_matrix: estimate the inverse mass matrix in Stan's warmup windows.
@@ -381,7 +383,7 @@ class HMC(MCMCKernel):
         if (model is None) == (potential_fn is None):
             raise ValueError("give exactly one of `model` or `potential_fn`")
         step_size, step_sizes = _step_sizes(step_size)
-        if step_sizes is not None and num_steps is not None:
+        if step_sizes is not None and num_steps is not None and trajectory_length is None:
             raise ValueError(
                 "with a step size per chain, give trajectory_length (shared by the chains, as after adaptation; "
                 "each chain then takes trajectory_length / its step size steps) instead of num_steps"
@@ -414,9 +416,9 @@ class HMC(MCMCKernel):
         self._init_strategy = init_strategy
         self._init_step_size = float(step_size)
         self._init_step_sizes = step_sizes  # one per chain (float64, (C,)), or None
-        if num_steps is not None:
-            trajectory_length = step_size * num_steps
-        self.trajectory_length = 2 * math.pi if trajectory_length is None else float(trajectory_length)
+        if trajectory_length is None:  # as Pyro: a given trajectory_length overrides num_steps
+            trajectory_length = 2 * math.pi if num_steps is None else step_size * num_steps
+        self.trajectory_length = float(trajectory_length)
         self.adapt_step_size = adapt_step_size
         self.adapt_mass_matrix = adapt_mass_matrix
         self.full_mass = full_mass

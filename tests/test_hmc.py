@@ -539,6 +539,15 @@ def test_bad_arguments_get_clear_errors():
         HMC(gauss2d, max_unroll=0)
 
 
+@pytest.mark.parametrize("lengths", [{}, {"num_steps": 5}, {"trajectory_length": 3.0},
+                                     {"num_steps": 5, "trajectory_length": 3.0}])
+def test_the_trajectory_length_and_number_of_steps_are_pyros(lengths):
+    """As in Pyro: ``num_steps`` sets the trajectory length where it is not given, and a
+    given ``trajectory_length`` overrides it (ours took 5 steps where Pyro's took 30)."""
+    ours, pyros = HMC(gauss2d, step_size=0.1, **lengths), pyro.infer.HMC(gauss2d, step_size=0.1, **lengths)
+    assert (ours.trajectory_length, ours.num_steps) == (pytest.approx(pyros.trajectory_length), pyros.num_steps)
+
+
 def test_non_finite_initial_params_are_rejected():
     with pytest.raises(ValueError, match="not finite"):
         run(HMC(gauss2d), 5, 5, initial_params={"q": torch.tensor([float("inf"), 0.0])})
