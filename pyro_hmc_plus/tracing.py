@@ -59,10 +59,12 @@ _ESCAPES = {
 
 
 class LatentTaint(TorchFunctionMode):
-    """Refuses to let a tensor computed from the traced inputs become a Python value in the
-    model's Python code (an ``if``, ``.item()``, ``.numpy()``), naming the call. Which tensors
-    are so computed, the recorder underneath follows through the aten ops
-    (:meth:`_AtenRecorder.computed_from_inputs`)."""
+    """Refuses to let a tensor computed from the traced inputs, or from a random draw, become
+    a Python value in the model's Python code (an ``if``, ``.item()``, ``.numpy()``), naming
+    the call. Which tensors are so computed, the recorder underneath follows through the aten
+    ops (:meth:`_AtenRecorder.computed_from_inputs`, :meth:`_AtenRecorder.random_draw_behind`).
+    A random draw that stays a tensor is refused only where it reaches the traced function's
+    outputs (:func:`_erase_unused_random_draws`)."""
 
     def __init__(self, recorder: "_AtenRecorder"):
         super().__init__()
@@ -71,11 +73,21 @@ class LatentTaint(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name in _ESCAPES and self._recorder.computed_from_inputs(tree_flatten((args, kwargs))[0]):
-            raise UntraceableModel(
-                f"the potential uses {_ESCAPES[name]} a value computed from the latent "
-                "variables, so one trace cannot stand for every point"
-            )
+        if name in _ESCAPES:
+            tensors = tree_flatten((args, kwargs))[0]
+            if self._recorder.computed_from_inputs(tensors):
+                raise UntraceableModel(
+                    f"the potential uses {_ESCAPES[name]} a value computed from the latent "
+                    "variables, so one trace cannot stand for every point"
+                )
+            draw = self._recorder.random_draw_behind(tensors)
+            if draw is not None:  # a branch or a number that the next call may draw otherwise
+                raise UntraceableModel(
+                    f"the potential uses {_ESCAPES[name]} random numbers it draws ({draw}), so its value changes "
+                    "from call to call, and HMC needs the same value at the same point: generate data outside "
+                    "the model, and put modules with dropout in eval mode",
+                    eager_is_correct=False,
+                )
         if name == "__setitem__" and len(args) == 3 and _is_masked_write(*args) \
                 and self._recorder.computed_from_inputs([args[1]]):
             # x[mask] = v with a mask of x's shape, computed from the latents: torch reads a
@@ -118,6 +130,8 @@ class _AtenRecorder(TorchDispatchMode):
         self.graph, self.root = graph, root
         # ids of the inputs and of every tensor computed from them, when escapes are checked
         self._from_inputs = set() if check_escapes else None
+        # id of every tensor computed from a random draw -> the draw's op, when escapes are checked
+        self._drawn = {} if check_escapes else None
         self._node_of = {}  # id(tensor) -> node
         self._alive = []  # the tensors of _node_of, so that their ids are not reused
         self._constants = 0
@@ -137,6 +151,10 @@ class _AtenRecorder(TorchDispatchMode):
 
     def computed_from_inputs(self, tensors) -> bool:
         return any(torch.is_tensor(t) and id(t) in self._from_inputs for t in tensors)
+
+    def random_draw_behind(self, tensors) -> Optional[str]:
+        """The name of a random op that one of ``tensors`` was computed from, else ``None``."""
+        return next((self._drawn[id(t)] for t in tensors if torch.is_tensor(t) and id(t) in self._drawn), None)
 
     def _refuse_escapes(self, func, args):
         """For an op with an argument computed from the inputs. Inside one torch operation,
@@ -225,6 +243,11 @@ class _AtenRecorder(TorchDispatchMode):
         # error would be.
         if from_inputs and func is not aten._is_all_true.default:
             self._from_inputs.update(id(t) for t in _tensors_of(out))
+        if self._drawn is not None:
+            draw = func.overloadpacket.__name__ if _draws_random_numbers(func) else \
+                self.random_draw_behind(_tensors_of((args, kwargs)))
+            if draw is not None:
+                self._drawn.update((id(t), draw) for t in _tensors_of(out))
         node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
         if isinstance(out, torch.Tensor):
             self.bind(out, node)  # an in-place op rebinds its tensor: later readers follow it

@@ -2545,13 +2545,22 @@ def test_a_random_draw_that_the_potential_does_not_use_keeps_the_traced_engine()
     assert_variance(residual, 1.0)
 
 
-@pytest.mark.parametrize("model", [_data_drawn_in_the_model, _dropout_in_training_mode])
-def test_a_potential_that_draws_random_numbers_is_named_as_such(model):
+def _branch_on_a_random_number():
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    scale = 1.0 if torch.rand(()) < 0.5 else 3.0
+    pyro.sample("y", dist.Normal(mu, scale), obs=torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("model, says", [(_data_drawn_in_the_model, "draws random numbers"),
+                                         (_dropout_in_training_mode, "draws random numbers"),
+                                         (_branch_on_a_random_number, r"`if`.* on random numbers it draws \(rand\)")])
+def test_a_potential_that_draws_random_numbers_is_named_as_such(model, says):
     """A potential that draws random numbers has no one value at a point. The fallback
     warning says so and does not call eager autograd correct (it was a ``SyntaxError`` from
     the graph's generated code where the model passed a ``torch.Generator``, or a
-    disagreement with Pyro's potential)."""
-    with pytest.warns(EngineFallbackWarning, match="draws random numbers") as record:
+    disagreement with Pyro's potential). So for a branch on a random number, whose draw
+    itself reaches no output."""
+    with pytest.warns(EngineFallbackWarning, match=says) as record:
         engine = GradientEngine(from_model(model))
     assert engine.name == "eager"
     message = str(record[0].message)
