@@ -221,7 +221,8 @@ class _AtenRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        from_inputs = self._from_inputs is not None and self.computed_from_inputs(_tensors_of((args, kwargs)))
+        inputs = _tensors_of((args, kwargs)) if self._from_inputs is not None else []  # followed with the escapes
+        from_inputs = self._from_inputs is not None and self.computed_from_inputs(inputs)
         if from_inputs:
             self._refuse_escapes(func, args)
         if func is aten.log_sigmoid_backward.default:
@@ -244,8 +245,7 @@ class _AtenRecorder(TorchDispatchMode):
         if from_inputs and func is not aten._is_all_true.default:
             self._from_inputs.update(id(t) for t in _tensors_of(out))
         if self._drawn is not None:
-            draw = func.overloadpacket.__name__ if _draws_random_numbers(func) else \
-                self.random_draw_behind(_tensors_of((args, kwargs)))
+            draw = func.overloadpacket.__name__ if _draws_random_numbers(func) else self.random_draw_behind(inputs)
             if draw is not None:
                 self._drawn.update((id(t), draw) for t in _tensors_of(out))
         node = self.graph.call_function(func, tuple(node_args), dict(node_kwargs))
