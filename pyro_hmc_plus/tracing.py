@@ -318,19 +318,19 @@ def _record(fn, example_inputs, check_escapes: bool = False,
         recorder.mark_input(x, graph.placeholder(f"arg{i}_1"))
     with recorder, LatentTaint(recorder) if check_escapes else contextlib.nullcontext():
         out = fn(*example_inputs)
-    graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
-    _erase_unused_random_draws(graph)
+    output = graph.output(tree_map_only(torch.Tensor, recorder.node_for, out))
+    _erase_unused_random_draws(graph, output)
     return module_class(root, graph)
 
 
-def _erase_unused_random_draws(graph: torch.fx.Graph) -> None:
+def _erase_unused_random_draws(graph: torch.fx.Graph, output: torch.fx.Node) -> None:
     """Erase the random draws whose values reach no output, with the operations on them
     alone: a posterior predictive draw inside the model (``pyro.deterministic("y_rep",
     dist.Normal(mu, s).sample())``, which Pyro scores 0 whatever it is) leaves the
     potential one function of the latent values. An :class:`UntraceableModel` where a draw
     reaches an output (data drawn in the model, dropout in training mode): the function's
     value changes from call to call, and HMC needs the same value at the same point."""
-    reaching, stack = set(), [graph.output_node()]
+    reaching, stack = set(), [output]
     while stack:
         for node in stack.pop().all_input_nodes:
             if node not in reaching:
