@@ -366,6 +366,7 @@ class _SequentialSampler(_UnarySampler):
                 self.kernel._sequential_chain = None  # a chain run on its own later is not this run's
 
     def _run_chain(self, chain: int, *args, **kwargs):
+        """One chain by Pyro's ``_gen_samples``, with its progress bar and the draws' record."""
         if self.initial_params is not None:
             self.kernel.initial_params = {k: v[chain] for k, v in self.initial_params.items()}
         bar = _setup_bar(self.warmup_steps + self.num_samples, self.disable_progbar)

@@ -327,17 +327,17 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
     one run of the model finds them (torch's and Pyro's messages name neither); else ``e``.
     The run is under the init strategy, as Pyro's was; where it fails, only the sites met
     before the failure are looked at (:class:`_WhatTheSitesAreGiven`)."""
-    given = _WhatTheSitesAreGiven()
-    try:
-        trace = _trace_at_init(given(model), model_args, model_kwargs, init_strategy)
-    except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
-        trace = None
     message = str(e)
     if isinstance(e, ZeroDivisionError) and message == "size cannot be zero":  # Pyro's, for pyro.plate(name, 0)
         return _with_a_line(
             e, "A `pyro.plate` of the model has size 0: the data it runs over are empty (`len(y)` is 0: filtered "
             "away, or not loaded). Check the data given to run()."
         )
+    given = _WhatTheSitesAreGiven()
+    try:
+        trace = _trace_at_init(given(model), model_args, model_kwargs, init_strategy)
+    except Exception:  # noqa: BLE001 - the sites met before the failure are what is asked
+        trace = None
     if given.torch_distributions:
         return _with_a_line(
             e, f"The sample sites {given.torch_distributions} are given torch's distributions, which Pyro's sample "
@@ -845,9 +845,11 @@ def data_left_out(model, model_args, model_kwargs, layout: SiteLayout) -> List[s
                if value is None and bound.signature.parameters[name].kind not in variadic]
     found = []
     for name, size in zip(layout.names, layout.sizes):
-        if name in missing or (name == "obs" and missing):
-            why = f"{name} is None" if name in missing else f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} None"
-            found.append(f"{name!r} ({size:,} values; {why})")
+        if name in missing:
+            found.append(f"{name!r} ({size:,} values; {name} is None)")
+        elif name == "obs" and missing:
+            verb = "is" if len(missing) == 1 else "are"
+            found.append(f"{name!r} ({size:,} values; {' and '.join(missing)} {verb} None)")
     return found
 
 

@@ -58,6 +58,11 @@ _ESCAPES = {
 }
 
 
+# Why a potential that draws random numbers cannot be traced, and what to do.
+_RANDOM_POTENTIAL = ("so its value changes from call to call, and HMC needs the same value at the same point: "
+                     "generate data outside the model, and put modules with dropout in eval mode")
+
+
 class LatentTaint(TorchFunctionMode):
     """Refuses to let a tensor computed from the traced inputs, or from a random draw, become
     a Python value in the model's Python code (an ``if``, ``.item()``, ``.numpy()``), naming
@@ -82,12 +87,8 @@ class LatentTaint(TorchFunctionMode):
                 )
             draw = self._recorder.random_draw_behind(tensors)
             if draw is not None:  # a branch or a number that the next call may draw otherwise
-                raise UntraceableModel(
-                    f"the potential uses {_ESCAPES[name]} random numbers it draws ({draw}), so its value changes "
-                    "from call to call, and HMC needs the same value at the same point: generate data outside "
-                    "the model, and put modules with dropout in eval mode",
-                    eager_is_correct=False,
-                )
+                raise UntraceableModel(f"the potential uses {_ESCAPES[name]} random numbers it draws ({draw}), "
+                                       + _RANDOM_POTENTIAL, eager_is_correct=False)
         if name == "__setitem__" and len(args) == 3 and _is_masked_write(*args) \
                 and self._recorder.computed_from_inputs([args[1]]):
             # x[mask] = v with a mask of x's shape, computed from the latents: torch reads a
@@ -330,31 +331,31 @@ def _erase_unused_random_draws(graph: torch.fx.Graph, output: torch.fx.Node) -> 
     potential one function of the latent values. An :class:`UntraceableModel` where a draw
     reaches an output (data drawn in the model, dropout in training mode): the function's
     value changes from call to call, and HMC needs the same value at the same point."""
-    reaching, stack = set(), [output]
-    while stack:
-        for node in stack.pop().all_input_nodes:
-            if node not in reaching:
-                reaching.add(node)
-                stack.append(node)
     draws = [n for n in graph.nodes if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
              and _draws_random_numbers(n.target)]
+    if not draws:
+        return
+    reaching = _reachable([output], lambda node: node.all_input_nodes)
     for node in draws:
         if node in reaching:
-            raise UntraceableModel(
-                f"the potential draws random numbers ({node.target.overloadpacket.__name__}), so its value changes "
-                "from call to call, and HMC needs the same value at the same point: generate data "
-                "outside the model, and put modules with dropout in eval mode",
-                eager_is_correct=False,
-            )
-    downstream, stack = set(draws), list(draws)
-    while stack:
-        for user in stack.pop().users:
-            if user not in downstream:
-                downstream.add(user)
-                stack.append(user)
+            raise UntraceableModel(f"the potential draws random numbers ({node.target.overloadpacket.__name__}), "
+                                   + _RANDOM_POTENTIAL, eager_is_correct=False)
+    downstream = _reachable(draws, lambda node: node.users) | set(draws)
     for node in reversed(list(graph.nodes)):  # users first
         if node in downstream:
             graph.erase_node(node)
+
+
+def _reachable(starts, neighbours) -> set:
+    """The nodes reached from ``starts`` by following ``neighbours`` (a node's inputs, or its
+    users), ``starts`` themselves not included unless reached again."""
+    reached, stack = set(), list(starts)
+    while stack:
+        for node in neighbours(stack.pop()):
+            if node not in reached:
+                reached.add(node)
+                stack.append(node)
+    return reached
 
 
 class _GraphInProgress(torch.fx.GraphModule):
