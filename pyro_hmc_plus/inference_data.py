@@ -66,11 +66,15 @@ class SampleStats(dict):
                 "pyro_hmc_plus.to_inference_data(mcmc) exports them>")
 
 
-def chain_diagnostics(divergences: List[int], acceptance_rate: float, sample_stats: dict) -> dict:
+def chain_diagnostics(divergences: List[int], acceptance_rate: float, sample_stats: dict, step_size: float,
+                      inverse_mass_matrix: torch.Tensor) -> dict:
     """A chain's ``kernel.diagnostics()``: Pyro's (the post-warmup draws that diverged, by
-    index, and the acceptance rate) and the chain's per-draw ``sample_stats``."""
+    index, and the acceptance rate), the chain's per-draw ``sample_stats``, and the step size
+    and inverse mass matrix (``(D,)`` diagonal or ``(D, D)``, over the flat unconstrained
+    vector) that its last draw used."""
     return {"divergences": divergences, "acceptance rate": acceptance_rate,
-            "sample_stats": SampleStats(sample_stats)}
+            "sample_stats": SampleStats(sample_stats), "step size": step_size,
+            "inverse mass matrix": inverse_mass_matrix}
 
 
 def chain_sample_stats(mcmc) -> List[dict]:

@@ -410,7 +410,10 @@ class HMC(MCMCKernel):
         GradientEngine.check_name(engine)
         self.model = model
         self._user_potential_fn = potential_fn
-        self.transforms = transforms
+        # a model's transforms are known once it is set up: the user's, with Pyro's for the other
+        # sites (until then None, so that Pyro's MCMC, whose chains ran in worker processes,
+        # sets the kernel up to read them rather than taking the user's as all of them)
+        self.transforms = transforms if model is None else None
         self._user_transforms = transforms
         self._max_plate_nesting = max_plate_nesting
         self._init_strategy = init_strategy
@@ -428,10 +431,10 @@ class HMC(MCMCKernel):
         self.engine = engine
         self.max_unroll = int(max_unroll)
         self._given_inverse_mass = inverse_mass_matrix
-        # (chain, number of chains) while pyro_hmc_plus.MCMC runs chains one after another, as
-        # Pyro sets `initial_params` per chain: picks the chain's step size and metric where
-        # they are given one per chain
-        self._sequential_chain = None
+        # (chain, number of chains) while pyro_hmc_plus.MCMC runs this kernel (or, in a worker
+        # process, this copy of it) as one chain of a run, as Pyro sets `initial_params` per
+        # chain: picks the chain's step size and metric where they are given one per chain
+        self._chain_of_run = None
         self._initial_params = None
         self._engines = {}  # args key -> GradientEngine, reused by sequential chains
         self._engine = None
@@ -582,11 +585,11 @@ class HMC(MCMCKernel):
 
     @with_autograd
     def setup(self, warmup_steps, *args, **kwargs):
-        if self._init_step_sizes is not None and len(self._init_step_sizes) > 1 and self._sequential_chain is None:
+        if self._init_step_sizes is not None and len(self._init_step_sizes) > 1 and self._chain_of_run is None:
             raise ValueError(
                 f"step_size holds {len(self._init_step_sizes)} values, one per chain: they are for a run of "
                 f"pyro_hmc_plus.MCMC with num_chains={len(self._init_step_sizes)}; a chain run on its own "
-                "(pyro.infer.MCMC, or chain_method='parallel') takes one number"
+                "(pyro.infer.MCMC) takes one number"
             )
         initial = self._initial_params
         self._reset()
@@ -610,19 +613,7 @@ class HMC(MCMCKernel):
         batch = (num_chains,) if num_chains > 1 else ()
         initial = _floating_point(initial)
         first = None if initial is None else {k: v[(0,) * len(batch)] for k, v in initial.items()}
-        if self.model is not None:
-            flat = potential.from_model(
-                self.model,
-                args,
-                kwargs,
-                transforms=self._user_transforms,
-                max_plate_nesting=self._max_plate_nesting,
-                init_strategy=self._init_strategy,
-                initial_params=self._checked_initial_params(first),
-                num_chains=num_chains,
-            )
-        else:
-            flat = potential.from_potential_fn(self._user_potential_fn, first, self._user_transforms)
+        flat = self._flat_potential(args, kwargs, first, num_chains)
         self.transforms = flat.transforms
         key = _args_key(args, kwargs)
         reused = self._engines.get(key)
@@ -641,6 +632,22 @@ class HMC(MCMCKernel):
         zs = flat.initial_zs if initial is None else flat.layout.pack(initial, batch).reshape(num_chains, flat.dim)
         U, g = zip(*(potential.check_initial_point(flat, z) for z in zs))
         return HMCState(zs, torch.stack(U), torch.stack(g))
+
+    def _flat_potential(self, args, kwargs, initial, num_chains: int = 1) -> potential.FlatPotential:
+        """The flat potential of the model (with these arguments) or of the ``potential_fn``,
+        without a gradient engine; ``initial``: one chain's unconstrained values, or ``None``."""
+        if self.model is None:
+            return potential.from_potential_fn(self._user_potential_fn, initial, self._user_transforms)
+        return potential.from_model(
+            self.model,
+            args,
+            kwargs,
+            transforms=self._user_transforms,
+            max_plate_nesting=self._max_plate_nesting,
+            init_strategy=self._init_strategy,
+            initial_params=self._checked_initial_params(initial),
+            num_chains=num_chains,
+        )
 
     def _checked_initial_params(self, initial):
         if initial is None:
@@ -666,11 +673,14 @@ class HMC(MCMCKernel):
 
     def diagnostics(self):
         """Pyro's per-chain diagnostics, plus this chain's per-draw ``sample_stats`` (see
-        :attr:`sample_stats`): Pyro's ``MCMC`` collects this dict from every chain, worker
-        processes included, which is how :func:`pyro_hmc_plus.to_inference_data` finds them."""
+        :attr:`sample_stats`) and the step size and inverse mass matrix its last draw used
+        (the adapted ones once its warmup is over): Pyro's ``MCMC`` collects this dict from
+        every chain, worker processes included, which is how
+        :func:`pyro_hmc_plus.to_inference_data` and :class:`pyro_hmc_plus.MCMC` find them."""
         n = self._t - self._warmup_steps
         return chain_diagnostics(list(self._divergences), self._accept_cnt / n if n > 0 else float("nan"),
-                                 self._chain_stats[-1] if self._chain_stats else {})
+                                 self._chain_stats[-1] if self._chain_stats else {},
+                                 self._step_size, self._metric.inverse_mass)
 
     @property
     def sample_stats(self):
@@ -724,7 +734,7 @@ class HMC(MCMCKernel):
         self._block_mask = self._mass_structure()
         _warn_of_a_singular_dense_metric(self, self._block_mask)
         dense = self._block_mask is not None
-        chain, num_chains = self._sequential_chain or (0, 1)  # a chain run on its own: a run of one
+        chain, num_chains = self._chain_of_run or (0, 1)  # a chain run on its own: a run of one
         self._metric = Metric(*(x[chain] for x in self._starting_metric(self._block_mask, (num_chains,))))
         self._schedule = (
             adaptation.adaptation_schedule(self._warmup_steps)

@@ -19,6 +19,7 @@ interrupted.
 
 from __future__ import annotations
 
+import copy
 import numbers
 import time
 from typing import List
@@ -26,7 +27,8 @@ from typing import List
 import pyro
 import pyro.poutine as poutine
 import torch
-from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _UnarySampler
+import torch.multiprocessing as mp
+from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _MultiSampler, _UnarySampler, _Worker
 from tqdm.auto import tqdm
 
 from . import adaptation, chain_batch, rounds
@@ -57,7 +59,8 @@ class MCMC(pyro.infer.MCMC):
         ``"sequential"``: one chain after another (Pyro's way without processes, minus
         Pyro's per-draw JSON logging: ~90 µs less per draw);
         ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
-        than chains, as in Pyro). Other kernels only run ``"sequential"``/``"parallel"``.
+        than chains, as in Pyro), each chain from its own ``initial_params`` (in Pyro's, every
+        chain starts from the last chain's). Other kernels only run ``"sequential"``/``"parallel"``.
         Vectorized chains share the per-operation overhead of a small model; a model whose
         gradient is mostly arithmetic (thousands of dimensions or data points) gains
         nothing from that (4 NUTS chains with D=2,004: as fast as sequential ones), and
@@ -84,7 +87,7 @@ class MCMC(pyro.infer.MCMC):
     start or chunk after the tree stopped (see :mod:`pyro_hmc_plus.rounds`), for HMC the steps
     of a round after the chain's trajectory ended (:mod:`pyro_hmc_plus.chain_batch`).
     :attr:`step_size` ``(C,)`` and :attr:`inverse_mass_matrix` ``(C, D)`` or ``(C, D, D)``
-    are each chain's adapted values after a vectorized or sequential run (over the flat
+    are each chain's adapted values after a run of this package's kernel (over the flat
     unconstrained vector, sites in sorted order), which the kernels take as they are
     (``step_size=``, ``inverse_mass_matrix=``) to go on from them in another run of as many
     chains.
@@ -146,13 +149,7 @@ class MCMC(pyro.infer.MCMC):
         self.leaves_per_call = int(leaves_per_call)
         self.batch_utilisation = self.step_size = self.inverse_mass_matrix = self.warmup_samples = None
         self.warn_on_problems = warn_on_problems
-        if chain_method == "parallel":
-            super().__init__(
-                kernel, num_samples, warmup_steps, initial_params, num_chains, hook_fn, mp_context,
-                disable_progbar, disable_validation, transforms, save_params,
-            )
-            return
-        # Pyro's constructor without its choice of worker processes
+        # Pyro's constructor, with this package's samplers
         AbstractMCMC.__init__(self, kernel, num_chains, transforms)
         self.warmup_steps = num_samples if warmup_steps is None else warmup_steps
         self.num_samples = num_samples
@@ -169,20 +166,39 @@ class MCMC(pyro.infer.MCMC):
         self._initial_params = initial_params
         self._hook = hook_fn
         self._diagnostics = [None] * num_chains
-        self.sampler = _SequentialSampler(
-            kernel, num_samples, self.warmup_steps, num_chains, disable_progbar,
-            initial_params=initial_params, hook=hook_fn,
-        )
+        available_cpus = max(mp.cpu_count() - 1, 1)  # Pyro's rule: one CPU for the main process
+        if chain_method == "parallel" and num_chains > available_cpus:
+            warn_user(f"num_chains={num_chains} is more than available_cpu={available_cpus}. "
+                      "Chains will be drawn sequentially.", UserWarning)  # Pyro's own warning
+        if chain_method == "parallel" and 1 < num_chains <= available_cpus:
+            if mp_context is None and initial_params and next(iter(initial_params.values())).is_cuda:
+                mp_context = "spawn"  # as Pyro: a forked process cannot use CUDA
+            self.sampler = _ParallelSampler(
+                kernel, num_samples, self.warmup_steps, num_chains, mp_context, disable_progbar,
+                initial_params=initial_params, hook=hook_fn,
+            )
+        else:
+            self.sampler = _SequentialSampler(
+                kernel, num_samples, self.warmup_steps, num_chains, disable_progbar,
+                initial_params=initial_params, hook=hook_fn,
+            )
 
     @poutine.block
     @with_autograd
     def run(self, *args, **kwargs):
-        if self.chain_method == "parallel":
+        self.step_size = self.inverse_mass_matrix = None
+        if isinstance(self.sampler, _ParallelSampler):
             super().run(*args, **kwargs)
-        elif self.chain_method == "sequential":
-            self._run_sequential(args, kwargs)
-        else:
+        elif self.chain_method == "vectorized":
             self._run_vectorized(args, kwargs)
+        else:
+            self._run_sequential(args, kwargs)
+        adapted = [d for d in self._diagnostics if d and "step size" in d]
+        if adapted and len(adapted) == self.num_chains:  # this package's kernel, every chain kept
+            masses = [d["inverse mass matrix"] for d in adapted]
+            self.step_size = torch.tensor([d["step size"] for d in adapted], dtype=masses[0].dtype,
+                                          device=masses[0].device)
+            self.inverse_mass_matrix = torch.stack(masses)
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
         if self.warn_on_problems and isinstance(self.kernel, HMC) and drawn >= 4:
             try:
@@ -201,7 +217,6 @@ class MCMC(pyro.infer.MCMC):
         interrupted, the draws made so far."""
         self.num_chains = self.sampler.num_chains  # an interrupted run may have kept fewer
         self._diagnostics = [None] * self.num_chains
-        self.step_size = self.inverse_mass_matrix = None
         try:
             super().run(*args, **kwargs)
         except KeyboardInterrupt:
@@ -211,10 +226,16 @@ class MCMC(pyro.infer.MCMC):
         draws = getattr(self.sampler, "draws", [])
         if draws and len(draws) == self.num_chains:
             self.warmup_samples = self._constrained(self._recorded(0, min(min(len(d), self.warmup_steps) for d in draws)))
-        if len(getattr(self.sampler, "adapted", [])) == self.sampler.num_chains:  # none interrupted
-            step_sizes, inverse_masses = zip(*self.sampler.adapted)
-            self.step_size = torch.tensor(step_sizes, dtype=inverse_masses[0].dtype, device=inverse_masses[0].device)
-            self.inverse_mass_matrix = torch.stack(inverse_masses)
+
+    def _set_transforms(self, *args, **kwargs):
+        """Pyro's: the kernel's transforms, for the draws in constrained space. Where this
+        process has not set up this package's kernel for a model (its chains ran in worker
+        processes), Pyro would set it up, tracing and compiling the gradient to read them, and
+        fail on a step size per chain: the model's flat potential gives them."""
+        if isinstance(self.kernel, HMC) and self.kernel.transforms is None and self.kernel.model is not None:
+            self.transforms = self.kernel._flat_potential(args, kwargs, None).transforms
+        else:
+            super()._set_transforms(*args, **kwargs)
 
     def _recorded(self, start: int, stop: int) -> torch.Tensor:
         """Draws ``start:stop`` of each chain the sequential sampler recorded, ``(C, stop - start, D)``."""
@@ -270,8 +291,6 @@ class MCMC(pyro.infer.MCMC):
             self._run_sequential(args, kwargs)  # the same (detached) data: the kernel reuses its engine
             return
         self.batch_utilisation = run.utilisation
-        self.step_size = run.chains.step_size.value
-        self.inverse_mass_matrix = run.metric.inverse_mass
         self._collect(rows, run)
 
     def _collect(self, rows: List[torch.Tensor], run: "_VectorizedRun"):
@@ -290,6 +309,8 @@ class MCMC(pyro.infer.MCMC):
                 post[:, D + chain_batch.STAT_COLUMNS.index("accepted")].double().mean().item()
                 if len(post) else float("nan"),
                 stats,
+                run.chains.step_size.value[chain].item(),
+                run.metric.inverse_mass[chain],
             )
         if self.transforms is None:
             self.transforms = kernel.transforms or {}
@@ -349,21 +370,18 @@ class _SequentialSampler(_UnarySampler):
     def run(self, *args, **kwargs):
         # each started chain's draws, warmup first, as flat unconstrained vectors, where the
         # kernel is this package's: the warmup draws (which Pyro's loop discards) and, if the
-        # run is interrupted, the draws made so far (which Pyro's accumulator loses); and each
-        # finished chain's adapted (step size, inverse mass matrix)
+        # run is interrupted, the draws made so far (which Pyro's accumulator loses)
         ours = isinstance(self.kernel, HMC)
-        self.draws, self.adapted = [], []
+        self.draws = []
         try:
             for chain in range(self.num_chains):
                 if ours:
                     self.draws.append([])
-                    self.kernel._sequential_chain = (chain, self.num_chains)
+                    self.kernel._chain_of_run = (chain, self.num_chains)
                 yield from self._run_chain(chain, *args, **kwargs)
-                if ours:
-                    self.adapted.append((self.kernel.step_size, self.kernel._metric.inverse_mass))
         finally:
             if ours:
-                self.kernel._sequential_chain = None  # a chain run on its own later is not this run's
+                self.kernel._chain_of_run = None  # a chain run on its own later is not this run's
 
     def _run_chain(self, chain: int, *args, **kwargs):
         """One chain by Pyro's ``_gen_samples``, with its progress bar and the draws' record."""
@@ -398,6 +416,28 @@ class _SequentialSampler(_UnarySampler):
                 bar.set_postfix(self.kernel.logging(), refresh=False)  # (a finished chain's kernel is reset)
             bar.close()
         self.kernel.cleanup()
+
+
+class _ParallelSampler(_MultiSampler):
+    """Pyro's one worker process per chain, each worker with its own copy of the kernel.
+    Pyro's workers share one kernel object, which each sets to its chain's ``initial_params``
+    and which is copied into the processes only when they all start: every chain started from
+    the last chain's initial values. A copy of this package's kernel also knows its chain, to
+    take the chain's step size and metric where they are given one per chain."""
+
+    def init_workers(self, *args, **kwargs):
+        self.workers = []
+        for chain in range(self.num_chains):
+            kernel = copy.copy(self.kernel)
+            if isinstance(kernel, HMC):
+                kernel._chain_of_run = (chain, self.num_chains)
+            worker = _Worker(
+                chain, self.result_queue, self.log_queue, self.events[chain], kernel, self.num_samples,
+                self.warmup_steps, hook=self.hook,
+                initial_params=None if self.initial_params is None else {k: v[chain] for k, v in self.initial_params.items()},
+            )
+            worker.daemon = True
+            self.workers.append(self.ctx.Process(name=str(chain), target=worker.run, args=args, kwargs=kwargs))
 
 
 class _EagerGradient(Exception):

@@ -459,6 +459,45 @@ def test_sequential_and_parallel_are_pyros():
     assert parallel.get_samples()["q"].shape == (50, 2)
 
 
+def _scales_and_a_positive_site():
+    pyro.sample("x", dist.Normal(0.0, torch.tensor([0.1, 1.0, 10.0])).to_event(1))
+    pyro.sample("s", dist.HalfNormal(1.0))
+
+
+def test_parallel_chains_each_start_and_go_on_from_their_own_values(monkeypatch):
+    """``chain_method="parallel"`` with worker processes (forced here: Pyro runs the chains
+    one after another where there are fewer CPUs than chains). Pyro's workers share one
+    kernel, copied into the processes when they all start: every chain started from the last
+    chain's ``initial_params``. A model's transforms given for some sites only (the others
+    get Pyro's) left the other sites' draws unconstrained (negative values of a positive
+    site): this process took the user's transforms for all of them. And the chains' adapted
+    step sizes and metrics come back, as from vectorized and sequential chains, for a run
+    that goes on from them, each chain from its own."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    starts = {"x": torch.tensor([[-1.0, -5.0, -20.0], [1.0, 5.0, 20.0]]), "s": torch.tensor([-3.0, 0.5])}
+    kernel = NUTS(_scales_and_a_positive_site, step_size=1e-3, adapt_step_size=False, max_tree_depth=1,
+                  transforms={"x": torch.distributions.transforms.identity_transform})
+    pyro.set_rng_seed(0)
+    fixed = run(kernel, num_chains=2, num_samples=3, warmup_steps=0, chain_method="parallel",
+                initial_params=starts, warn_on_problems=False)
+    draws = fixed.get_samples(group_by_chain=True)
+    torch.testing.assert_close(draws["x"][:, 0], starts["x"], atol=0.1, rtol=0)
+    torch.testing.assert_close(draws["s"][:, 0], starts["s"].exp(), atol=0.01, rtol=0)
+
+    pyro.set_rng_seed(0)
+    first = run(NUTS(_scales_and_a_positive_site), num_chains=2, num_samples=10, warmup_steps=50,
+                chain_method="parallel", warn_on_problems=False)
+    assert first.step_size.shape == (2,) and first.step_size[0] != first.step_size[1]
+    assert first.inverse_mass_matrix.shape == (2, 4)
+    kernel = NUTS(_scales_and_a_positive_site, step_size=first.step_size, inverse_mass_matrix=first.inverse_mass_matrix,
+                  adapt_step_size=False, adapt_mass_matrix=False)
+    second = run(kernel, num_chains=2, num_samples=5, warmup_steps=0, chain_method="parallel", warn_on_problems=False)
+    assert torch.equal(second.step_size, first.step_size)
+    assert torch.equal(second.inverse_mass_matrix, first.inverse_mass_matrix)
+    np.testing.assert_array_equal(to_inference_data(second).sample_stats["step_size"].values,
+                                  first.step_size[:, None].expand(2, 5).numpy())
+
+
 def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
     """Our "sequential" chains make the same kernel calls as pyro.infer.MCMC: the same seed
     gives the same draws and diagnostics, and hook_fn sees the same stages, indices and
