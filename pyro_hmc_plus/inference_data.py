@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, NamedTuple, Optional
 
 import numpy as np
 import pyro
@@ -66,15 +66,27 @@ class SampleStats(dict):
                 "pyro_hmc_plus.to_inference_data(mcmc) exports them>")
 
 
-def chain_diagnostics(divergences: List[int], acceptance_rate: float, sample_stats: dict, step_size: float,
-                      inverse_mass_matrix: torch.Tensor) -> dict:
+class Adaptation(NamedTuple):
+    """One chain's step size and inverse mass matrix (``(D,)`` diagonal or ``(D, D)``, over
+    the flat unconstrained vector), those its last draw used (the adapted ones once its
+    warmup is over), as they travel in the chain's diagnostics. A named tuple with a short
+    ``repr``, as :class:`SampleStats`: printed diagnostics show no matrix of numbers."""
+
+    step_size: float
+    inverse_mass_matrix: torch.Tensor
+
+    def __repr__(self):
+        return (f"<step size {self.step_size:.3g}, inverse mass matrix {tuple(self.inverse_mass_matrix.shape)}; "
+                "pyro_hmc_plus.MCMC stacks every chain's: mcmc.step_size, mcmc.inverse_mass_matrix>")
+
+
+def chain_diagnostics(divergences: List[int], acceptance_rate: float, sample_stats: dict,
+                      adaptation: Adaptation) -> dict:
     """A chain's ``kernel.diagnostics()``: Pyro's (the post-warmup draws that diverged, by
-    index, and the acceptance rate), the chain's per-draw ``sample_stats``, and the step size
-    and inverse mass matrix (``(D,)`` diagonal or ``(D, D)``, over the flat unconstrained
-    vector) that its last draw used."""
+    index, and the acceptance rate), the chain's per-draw ``sample_stats`` and its step size
+    and metric (``adaptation``)."""
     return {"divergences": divergences, "acceptance rate": acceptance_rate,
-            "sample_stats": SampleStats(sample_stats), "step size": step_size,
-            "inverse mass matrix": inverse_mass_matrix}
+            "sample_stats": SampleStats(sample_stats), "adaptation": adaptation}
 
 
 def chain_sample_stats(mcmc) -> List[dict]:

@@ -19,7 +19,7 @@ from . import adaptation, chain_batch, nuts, potential, rounds
 from ._warn import warn_user
 from .engine import GradientEngine, is_numerical_failure, with_autograd
 from .hmc import HMCInfo, HMCState, hmc_step, stat_row
-from .inference_data import SamplingWarning, chain_diagnostics
+from .inference_data import Adaptation, SamplingWarning, chain_diagnostics
 from .integrator import IntegratorState, leapfrog
 from .metric import Metric, kinetic_energy, make_metric, momentum, unit_metric
 
@@ -680,7 +680,7 @@ class HMC(MCMCKernel):
         n = self._t - self._warmup_steps
         return chain_diagnostics(list(self._divergences), self._accept_cnt / n if n > 0 else float("nan"),
                                  self._chain_stats[-1] if self._chain_stats else {},
-                                 self._step_size, self._metric.inverse_mass)
+                                 Adaptation(self._step_size, self._metric.inverse_mass))
 
     @property
     def sample_stats(self):

@@ -35,7 +35,7 @@ from . import adaptation, chain_batch, rounds
 from ._warn import warn_user
 from .hmc import HMCState
 from .engine import EngineFallbackWarning, is_numerical_failure, with_autograd
-from .inference_data import chain_diagnostics, diagnose, require_draws, summary_table, to_inference_data
+from .inference_data import Adaptation, chain_diagnostics, diagnose, require_draws, summary_table, to_inference_data
 from .kernels import HMC, _flatten, _unflatten, _warn_of_a_singular_dense_metric, one_step_energy_change
 from .nuts import select
 from .metric import Metric, make_metric
@@ -193,11 +193,10 @@ class MCMC(pyro.infer.MCMC):
             self._run_vectorized(args, kwargs)
         else:
             self._run_sequential(args, kwargs)
-        adapted = [d for d in self._diagnostics if d and "step size" in d]
+        adapted = [d["adaptation"] for d in self._diagnostics if d and "adaptation" in d]
         if adapted and len(adapted) == self.num_chains:  # this package's kernel, every chain kept
-            masses = [d["inverse mass matrix"] for d in adapted]
-            self.step_size = torch.tensor([d["step size"] for d in adapted], dtype=masses[0].dtype,
-                                          device=masses[0].device)
+            step_sizes, masses = zip(*adapted)
+            self.step_size = torch.tensor(step_sizes, dtype=masses[0].dtype, device=masses[0].device)
             self.inverse_mass_matrix = torch.stack(masses)
         drawn = next(iter(self._samples.values())).shape[1] if self._samples else 0
         if self.warn_on_problems and isinstance(self.kernel, HMC) and drawn >= 4:
@@ -309,8 +308,7 @@ class MCMC(pyro.infer.MCMC):
                 post[:, D + chain_batch.STAT_COLUMNS.index("accepted")].double().mean().item()
                 if len(post) else float("nan"),
                 stats,
-                run.chains.step_size.value[chain].item(),
-                run.metric.inverse_mass[chain],
+                Adaptation(run.chains.step_size.value[chain].item(), run.metric.inverse_mass[chain]),
             )
         if self.transforms is None:
             self.transforms = kernel.transforms or {}

@@ -496,6 +496,7 @@ def test_parallel_chains_each_start_and_go_on_from_their_own_values(monkeypatch)
     assert torch.equal(second.inverse_mass_matrix, first.inverse_mass_matrix)
     np.testing.assert_array_equal(to_inference_data(second).sample_stats["step_size"].values,
                                   first.step_size[:, None].expand(2, 5).numpy())
+    assert "tensor" not in repr(second.diagnostics()["adaptation"])  # printed diagnostics show no matrix
 
 
 def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
