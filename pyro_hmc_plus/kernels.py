@@ -309,7 +309,7 @@ class HMC(MCMCKernel):
         ``initial_params`` (given to :class:`pyro.infer.MCMC`) and optionally ``transforms``.
     :param float step_size: initial leapfrog step size (with ``adapt_step_size``, where the search
         for a reasonable one starts at setup). Or one per chain, a 1-D tensor or list of ``C``
-        numbers, for a run of ``C`` chains in :class:`pyro_hmc_plus.MCMC`, vectorized or sequential
+        numbers, for a run of ``C`` chains in :class:`pyro_hmc_plus.MCMC`, with any ``chain_method``
         (as its ``step_size`` holds them after a run, and as Stan takes one per chain): to go on from
         another run's adapted values with a trajectory length shared by the chains, so
         ``HMC`` takes ``trajectory_length`` rather than ``num_steps`` with them.
@@ -349,7 +349,7 @@ class HMC(MCMCKernel):
         :attr:`inverse_mass_matrix`'s format (a dict from tuples of site names to blocks), or a
         tensor over the flat vector, ``(D,)`` or ``(D, D)`` as ``full_mass`` makes it, or one
         per chain, ``(C, D)`` or ``(C, D, D)``, as ``pyro_hmc_plus.MCMC.inverse_mass_matrix``
-        holds them after a run of ``C`` chains (vectorized or sequential), for another such run
+        holds them after a run of ``C`` chains (any ``chain_method``), for another such run
         (a chain run on its own takes ``(1, D)``, as after a run of one chain).
     """
 
