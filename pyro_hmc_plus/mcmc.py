@@ -150,7 +150,8 @@ class MCMC(pyro.infer.MCMC):
         self.batch_utilisation = self.step_size = self.inverse_mass_matrix = self.warmup_samples = None
         self.warn_on_problems = warn_on_problems
         # Pyro's constructor, with this package's samplers
-        AbstractMCMC.__init__(self, kernel, num_chains, transforms)
+        AbstractMCMC.__init__(self, kernel, num_chains, None)  # the draws' transforms: _set_transforms
+        self._given_transforms = transforms or {}
         self.warmup_steps = num_samples if warmup_steps is None else warmup_steps
         self.num_samples = num_samples
         self.disable_validation = disable_validation
@@ -227,14 +228,18 @@ class MCMC(pyro.infer.MCMC):
             self.warmup_samples = self._constrained(self._recorded(0, min(min(len(d), self.warmup_steps) for d in draws)))
 
     def _set_transforms(self, *args, **kwargs):
-        """Pyro's: the kernel's transforms, for the draws in constrained space. Where this
-        process has not set up this package's kernel for a model (its chains ran in worker
-        processes), Pyro would set it up, tracing and compiling the gradient to read them, and
-        fail on a step size per chain: the model's flat potential gives them."""
+        """The transforms that take the draws to constrained space: those given to this
+        ``MCMC``, and the kernel's for the other sites (Pyro takes the given ones alone, or
+        the kernel's where none are given: a site left out of the given ones kept its
+        unconstrained draws, a positive site's negative). Where this process has not set up
+        this package's kernel for a model (its chains ran in worker processes), Pyro would set
+        it up, tracing and compiling the gradient to read them, and fail on a step size per
+        chain: the model's flat potential gives them."""
         if isinstance(self.kernel, HMC) and self.kernel.transforms is None and self.kernel.model is not None:
             self.transforms = self.kernel._flat_potential(args, kwargs, None).transforms
         else:
             super()._set_transforms(*args, **kwargs)
+        self.transforms = {**self.transforms, **self._given_transforms}
 
     def _recorded(self, start: int, stop: int) -> torch.Tensor:
         """Draws ``start:stop`` of each chain the sequential sampler recorded, ``(C, stop - start, D)``."""
@@ -311,7 +316,7 @@ class MCMC(pyro.infer.MCMC):
                 Adaptation(run.chains.step_size.value[chain].item(), run.metric.inverse_mass[chain]),
             )
         if self.transforms is None:
-            self.transforms = kernel.transforms or {}
+            self._set_transforms(*self._args, **self._kwargs)
         self._samples = self._constrained(torch.stack([r[W : W + num_kept, :D] for r in rows]))
         self.warmup_samples = self._constrained(torch.stack([r[:num_warmup_kept, :D] for r in rows]))
 

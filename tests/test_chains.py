@@ -499,6 +499,20 @@ def test_parallel_chains_each_start_and_go_on_from_their_own_values(monkeypatch)
     assert "tensor" not in repr(second.diagnostics()["adaptation"])  # printed diagnostics show no matrix
 
 
+@pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "parallel"])
+def test_transforms_given_to_mcmc_for_some_sites_leave_the_others_constrained(chain_method, monkeypatch):
+    """``MCMC(transforms=...)`` maps the draws of the sites it names; the others take the
+    kernel's. Pyro takes the given ones alone: the positive site's draws came back
+    unconstrained (the log of the scale: half of them negative)."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)  # worker processes for "parallel"
+    pyro.set_rng_seed(0)
+    mcmc = run(NUTS(_scales_and_a_positive_site), num_chains=2, num_samples=50, warmup_steps=50,
+               chain_method=chain_method, warn_on_problems=False,
+               transforms={"x": torch.distributions.transforms.identity_transform})
+    assert (mcmc.get_samples()["s"] > 0).all()
+    assert set(mcmc.transforms) == {"x", "s"} and mcmc.transforms["x"] is torch.distributions.transforms.identity_transform
+
+
 def test_sequential_runs_pyros_loop_without_its_per_draw_logging(capsys):
     """Our "sequential" chains make the same kernel calls as pyro.infer.MCMC: the same seed
     gives the same draws and diagnostics, and hook_fn sees the same stages, indices and
