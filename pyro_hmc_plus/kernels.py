@@ -328,7 +328,8 @@ class HMC(MCMCKernel):
     :param full_mass: ``False`` (diagonal), ``True`` (dense), or a list of tuples of site names
         whose joint blocks are dense (the rest diagonal).
     :param dict transforms: per-site transforms to unconstrained space (``potential_fn`` only,
-        or to override the model's defaults).
+        or to override the model's defaults). For a model, the kernel's ``transforms``
+        attribute holds every site's once the kernel is set up, ``None`` before.
     :param int max_plate_nesting: as in Pyro, for models with enumerated discrete sites.
     :param jit_compile: accepted for compatibility. This package always builds the
         gradient once (see ``engine``); ``jit_compile=False`` does not switch it off.
