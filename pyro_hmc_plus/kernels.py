@@ -437,6 +437,7 @@ class HMC(MCMCKernel):
         # chain: picks the chain's step size and metric where they are given one per chain
         self._chain_of_run = None
         self._initial_params = None
+        self._save_params = None
         self._engines = {}  # args key -> GradientEngine, reused by sequential chains
         self._engine = None
         self._flat = None
@@ -459,6 +460,21 @@ class HMC(MCMCKernel):
     @initial_params.setter
     def initial_params(self, params):
         self._initial_params = params
+
+    @property
+    def save_params(self):
+        """The sites whose draws ``MCMC`` keeps, sorted by name, as ``MCMC(save_params=...)``
+        sets them; unset (an ``AttributeError``, as Pyro's kernels), every latent site. Pyro's
+        ``MCMC`` reads it with ``getattr(kernel, "save_params", every site)``, flattens each
+        draw in its order, and reads the draws back in sorted order: given in another order,
+        one site's draws came back as another's."""
+        if self._save_params is None:
+            raise AttributeError("save_params is not set: MCMC keeps every latent site's draws")
+        return self._save_params
+
+    @save_params.setter
+    def save_params(self, names):
+        self._save_params = None if names is None else sorted(names)
 
     @property
     def potential_fn(self):
@@ -615,6 +631,10 @@ class HMC(MCMCKernel):
         initial = _floating_point(initial)
         first = None if initial is None else {k: v[(0,) * len(batch)] for k, v in initial.items()}
         flat = self._flat_potential(args, kwargs, first, num_chains)
+        unknown = sorted(set(self._save_params or ()) - set(flat.layout.names))
+        if unknown:  # Pyro: a KeyError naming the site, after the first transition
+            raise ValueError(f"save_params names {unknown}, which are not latent sites of this model; its latent "
+                             f"sites (whose draws MCMC can keep) are {sorted(flat.layout.names)}")
         self.transforms = flat.transforms
         key = _args_key(args, kwargs)
         reused = self._engines.get(key)

@@ -159,8 +159,8 @@ class MCMC(pyro.infer.MCMC):
         self._samples = None
         self._args = None
         self._kwargs = None
-        if save_params is not None:
-            kernel.save_params = save_params
+        if save_params is not None:  # sorted: Pyro's run reads the draws back in sorted order
+            kernel.save_params = sorted(save_params)
         self._validate_kernel(initial_params)
         if initial_params and num_chains == 1:  # several chains' leading dimension is checked above
             initial_params = {k: v.unsqueeze(0) for k, v in initial_params.items()}

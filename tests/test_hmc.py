@@ -397,6 +397,34 @@ def test_pyro_mcmc_protocol_hook_save_params_summary_diagnostics_arviz(capsys):
     assert kernel.step_size == stats["step_size"][-1] != 0.1  # as Pyro: the adapted step size after the run
 
 
+def _located_and_scaled():
+    pyro.sample("mu", dist.Normal(10.0, 1.0))
+    pyro.sample("s", dist.HalfNormal(0.1))
+
+
+@pytest.mark.parametrize("mcmc_class, kernel_class, num_chains", [
+    (MCMC, NUTS, 1), (pyro_hmc_plus.MCMC, NUTS, 1), (pyro_hmc_plus.MCMC, NUTS, 2),
+    (pyro_hmc_plus.MCMC, pyro.infer.NUTS, 1),
+], ids=["pyro.infer.MCMC", "one chain", "vectorized", "pyro.infer.NUTS"])
+def test_save_params_in_any_order_keep_each_sites_draws(mcmc_class, kernel_class, num_chains):
+    """Pyro's ``MCMC`` flattens each draw in the order of ``save_params`` and reads the draws
+    back in sorted order: with ``save_params=["s", "mu"]`` the draws of ``mu`` (~10) came back
+    as ``s``'s (~35,000, the exponential of ``mu``'s) and those of ``s`` as ``mu``'s, with
+    Pyro's kernels and ours alike. A name that is no latent site failed with a bare
+    ``KeyError`` after the first transition."""
+    pyro.set_rng_seed(0)
+    extra = {"warn_on_problems": False} if mcmc_class is pyro_hmc_plus.MCMC else {}
+    mcmc = mcmc_class(kernel_class(_located_and_scaled), num_samples=100, warmup_steps=100, num_chains=num_chains,
+                      save_params=["s", "mu"], disable_progbar=True, **extra)
+    mcmc.run()
+    draws = mcmc.get_samples()
+    assert abs(draws["mu"].mean() - 10.0) < 0.5 and 0 < draws["s"].mean() < 0.2
+    if kernel_class is NUTS:
+        with pytest.raises(ValueError, match=r"save_params names \['sigma'\], .* latent sites .* \['mu', 's'\]"):
+            mcmc_class(kernel_class(_located_and_scaled), num_samples=5, warmup_steps=5, num_chains=num_chains,
+                       save_params=["sigma"], disable_progbar=True, **extra).run()
+
+
 def test_potential_fn_after_a_run_scores_draws_as_pyros():
     # users score draws with `mcmc.kernel.potential_fn(params)`, which Pyro's kernel sets up
     x = torch.randn(10) + 2.0
