@@ -28,6 +28,7 @@ import pyro
 import pyro.poutine as poutine
 import torch
 import torch.multiprocessing as mp
+from pyro.infer.mcmc.api import MAX_SEED as _MAX_SEED
 from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _MultiSampler, _UnarySampler, _Worker
 from tqdm.auto import tqdm
 
@@ -189,6 +190,7 @@ class MCMC(pyro.infer.MCMC):
     def run(self, *args, **kwargs):
         self.step_size = self.inverse_mass_matrix = None
         if isinstance(self.sampler, _ParallelSampler):
+            self.sampler = self.sampler.for_another_run()
             super().run(*args, **kwargs)
         elif self.chain_method == "vectorized":
             self._run_vectorized(args, kwargs)
@@ -422,14 +424,41 @@ class _SequentialSampler(_UnarySampler):
 
 
 class _ParallelSampler(_MultiSampler):
-    """Pyro's one worker process per chain, each worker with its own copy of the kernel.
+    """Pyro's one worker process per chain, each worker with its own copy of the kernel and
+    its own seed drawn from this process's random numbers.
+
     Pyro's workers share one kernel object, which each sets to its chain's ``initial_params``
     and which is copied into the processes only when they all start: every chain started from
     the last chain's initial values. A copy of this package's kernel also knows its chain, to
-    take the chain's step size and metric where they are given one per chain."""
+    take the chain's step size and metric where they are given one per chain. Pyro seeds
+    chain ``c`` with ``torch.initial_seed() + c``, the same in every run of the process: a
+    second run, to go on from the first, repeated the first's random numbers (the same draws
+    where it started from the same points). Drawn seeds keep a seeded run reproducible, as
+    the other chain methods draw from the same stream.
+
+    Pyro's log thread, made with the sampler, draws the progress bars from the workers'
+    records and ends with the run: a second run of the same ``MCMC`` showed no progress, its
+    workers' records left unread (:meth:`for_another_run`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._arguments = (args, kwargs)
+        self.has_run = False
+
+    def for_another_run(self) -> "_ParallelSampler":
+        """This sampler, or a new one with the same settings once it has run."""
+        if not self.has_run:
+            return self
+        args, kwargs = self._arguments
+        return _ParallelSampler(*args, **kwargs)
+
+    def run(self, *args, **kwargs):
+        self.has_run = True
+        yield from super().run(*args, **kwargs)
 
     def init_workers(self, *args, **kwargs):
         self.workers = []
+        seeds = torch.randint(0, _MAX_SEED, (self.num_chains,)).tolist()
         for chain in range(self.num_chains):
             kernel = copy.copy(self.kernel)
             if isinstance(kernel, HMC):
@@ -439,8 +468,18 @@ class _ParallelSampler(_MultiSampler):
                 self.warmup_steps, hook=self.hook,
                 initial_params=None if self.initial_params is None else {k: v[chain] for k, v in self.initial_params.items()},
             )
+            worker.rng_seed = seeds[chain]
             worker.daemon = True
-            self.workers.append(self.ctx.Process(name=str(chain), target=worker.run, args=args, kwargs=kwargs))
+            self.workers.append(self.ctx.Process(name=str(chain), target=_run_worker, args=(worker, *args), kwargs=kwargs))
+
+
+def _run_worker(worker: _Worker, *args, **kwargs):
+    """A worker process's chain, on one thread. A process forked from one whose torch had
+    run on several threads hangs at its first multi-threaded operation (the threads are not
+    copied into it; here the second run of an ``MCMC`` of a 2-D ``MultivariateNormal``, with
+    Pyro's kernels and ours). One chain per process on a core each needs no more."""
+    torch.set_num_threads(1)
+    worker.run(*args, **kwargs)
 
 
 class _EagerGradient(Exception):

@@ -499,6 +499,23 @@ def test_parallel_chains_each_start_and_go_on_from_their_own_values(monkeypatch)
     assert "tensor" not in repr(second.diagnostics()["adaptation"])  # printed diagnostics show no matrix
 
 
+def test_parallel_chains_repeat_a_seeded_run_and_draw_afresh_in_the_next(monkeypatch):
+    """Worker processes (forced, as above) seeded from this process's random numbers: the
+    same seed gives the same draws, and a second run of the same MCMC draws new ones (Pyro
+    seeds chain c with ``torch.initial_seed() + c``: every run of a process repeated them)."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    mcmc = MCMC(NUTS(gauss2d), num_samples=20, warmup_steps=20, num_chains=2, chain_method="parallel",
+                disable_progbar=True, warn_on_problems=False)
+    draws = []
+    for seed in (0, 0, None):
+        if seed is not None:
+            pyro.set_rng_seed(seed)
+        mcmc.run()
+        draws.append(mcmc.get_samples(group_by_chain=True)["q"])
+    assert torch.equal(draws[0], draws[1])
+    assert not torch.equal(draws[1], draws[2]) and not torch.equal(draws[2][0], draws[2][1])
+
+
 @pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "parallel"])
 def test_transforms_given_to_mcmc_for_some_sites_leave_the_others_constrained(chain_method, monkeypatch):
     """``MCMC(transforms=...)`` maps the draws of the sites it names; the others take the
