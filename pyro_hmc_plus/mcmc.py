@@ -469,8 +469,10 @@ class _ParallelSampler(_MultiSampler):
                 initial_params=None if self.initial_params is None else {k: v[chain] for k, v in self.initial_params.items()},
             )
             worker.rng_seed = seeds[chain]
-            worker.daemon = True
-            self.workers.append(self.ctx.Process(name=str(chain), target=_run_worker, args=(worker, *args), kwargs=kwargs))
+            # daemonic, as Pyro means them to be (it marks its _Worker object, not the process):
+            # a worker left behind by an error here ends with this process
+            self.workers.append(self.ctx.Process(name=str(chain), target=_run_worker, args=(worker, *args),
+                                                 kwargs=kwargs, daemon=True))
 
 
 def _run_worker(worker: _Worker, *args, **kwargs):
