@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import copy
 import numbers
+import queue
+import signal
 import time
-from typing import List
+from typing import List, NamedTuple
 
 import pyro
 import pyro.poutine as poutine
@@ -61,7 +63,8 @@ class MCMC(pyro.infer.MCMC):
         Pyro's per-draw JSON logging: ~90 µs less per draw);
         ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
         than chains, as in Pyro), each chain from its own ``initial_params`` (in Pyro's, every
-        chain starts from the last chain's). Other kernels only run ``"sequential"``/``"parallel"``.
+        chain starts from the last chain's), keeping the draws at a Ctrl-C (Pyro's lost them).
+        Other kernels only run ``"sequential"``/``"parallel"``.
         Vectorized chains share the per-operation overhead of a small model; a model whose
         gradient is mostly arithmetic (thousands of dimensions or data points) gains
         nothing from that (4 NUTS chains with D=2,004: as fast as sequential ones), and
@@ -190,8 +193,7 @@ class MCMC(pyro.infer.MCMC):
     def run(self, *args, **kwargs):
         self.step_size = self.inverse_mass_matrix = None
         if isinstance(self.sampler, _ParallelSampler):
-            self.sampler = self.sampler.for_another_run()
-            super().run(*args, **kwargs)
+            self._run_parallel(args, kwargs)
         elif self.chain_method == "vectorized":
             self._run_vectorized(args, kwargs)
         else:
@@ -227,7 +229,39 @@ class MCMC(pyro.infer.MCMC):
             self._keep_interrupted(args, kwargs)
         draws = getattr(self.sampler, "draws", [])
         if draws and len(draws) == self.num_chains:
-            self.warmup_samples = self._constrained(self._recorded(0, min(min(len(d), self.warmup_steps) for d in draws)))
+            num_warmup = min(min(len(d), self.warmup_steps) for d in draws)
+            self.warmup_samples = self._constrained(self._recorded(0, num_warmup))
+
+    def _run_parallel(self, args, kwargs):
+        """Pyro's results of the chains run in worker processes (:meth:`_ParallelSampler.collect`);
+        after a Ctrl-C, every chain keeps as many post-warmup draws as the one with fewest, as
+        after an interrupted vectorized run."""
+        self._args, self._kwargs = args, kwargs
+        args = [arg.detach() if torch.is_tensor(arg) else arg for arg in args]
+        sampler = self.sampler = self.sampler.for_another_run()
+        with pyro.validation_enabled(not self.disable_validation):
+            interrupted = sampler.collect(*args, **kwargs)
+        if sampler.structure is None:  # interrupted before any chain was set up
+            raise KeyboardInterrupt
+        num_kept = min(len(d) for d in sampler.draws)
+        if interrupted:
+            warn_user(
+                f"sampling interrupted: draws per chain {sampler.transitions} (of "
+                f"{self.warmup_steps + self.num_samples}, warmup {self.warmup_steps}); keeping the first {num_kept} "
+                "post-warmup draws of every chain",
+                RuntimeWarning,
+            )
+        self._diagnostics = sampler.diagnostics
+        if self.transforms is None:
+            self._set_transforms(*args, **kwargs)
+        size = sum(shape.numel() for shape in sampler.structure.values())
+        flat = torch.stack([torch.stack(d[:num_kept]) if num_kept else torch.zeros(0, size) for d in sampler.draws])
+        params, start = {}, 0
+        for name in sorted(sampler.structure):  # the order the workers flattened them in
+            shape = sampler.structure[name]
+            params[name] = flat[..., start : start + shape.numel()].reshape(flat.shape[:2] + shape)
+            start += shape.numel()
+        self._samples = self._constrained(params)
 
     def _set_transforms(self, *args, **kwargs):
         """The transforms that take the draws to constrained space: those given to this
@@ -243,10 +277,12 @@ class MCMC(pyro.infer.MCMC):
             super()._set_transforms(*args, **kwargs)
         self.transforms = {**self.transforms, **self._given_transforms}
 
-    def _recorded(self, start: int, stop: int) -> torch.Tensor:
-        """Draws ``start:stop`` of each chain the sequential sampler recorded, ``(C, stop - start, D)``."""
+    def _recorded(self, start: int, stop: int) -> dict:
+        """Draws ``start:stop`` of each chain the sequential sampler recorded, per site
+        ``(C, stop - start) + site shape``."""
         empty = self.kernel._flat.initial_z.new_empty(0, self.kernel._flat.dim)
-        return torch.stack([torch.stack(d[start:stop]) if stop > start else empty for d in self.sampler.draws])
+        draws = torch.stack([torch.stack(d[start:stop]) if stop > start else empty for d in self.sampler.draws])
+        return self.kernel._flat.layout.unpack(draws)
 
     def _keep_interrupted(self, args, kwargs):
         """After a ``KeyboardInterrupt`` of sequential chains: the same post-warmup draws of
@@ -319,13 +355,13 @@ class MCMC(pyro.infer.MCMC):
             )
         if self.transforms is None:
             self._set_transforms(*self._args, **self._kwargs)
-        self._samples = self._constrained(torch.stack([r[W : W + num_kept, :D] for r in rows]))
-        self.warmup_samples = self._constrained(torch.stack([r[:num_warmup_kept, :D] for r in rows]))
+        unpack = kernel._flat.layout.unpack
+        self._samples = self._constrained(unpack(torch.stack([r[W : W + num_kept, :D] for r in rows])))
+        self.warmup_samples = self._constrained(unpack(torch.stack([r[:num_warmup_kept, :D] for r in rows])))
 
-    def _constrained(self, z: torch.Tensor) -> dict:
-        """Draws of the flat unconstrained vector ``(C, N, D)`` as Pyro's ``_samples``: a dict
-        of the saved sites in constrained space, ``(C, N) + site shape``."""
-        params = self.kernel._flat.layout.unpack(z)
+    def _constrained(self, params: dict) -> dict:
+        """Draws of the sites in unconstrained space, ``(C, N) + site shape`` each, as Pyro's
+        ``_samples``: the saved sites, in constrained space."""
         save_params = getattr(self.kernel, "save_params", None) or sorted(params)
         return {
             name: self.transforms[name].inv(params[name]) if name in self.transforms else params[name]
@@ -452,12 +488,76 @@ class _ParallelSampler(_MultiSampler):
         args, kwargs = self._arguments
         return _ParallelSampler(*args, **kwargs)
 
-    def run(self, *args, **kwargs):
+    def collect(self, *args, **kwargs) -> bool:
+        """Run every chain in its worker process and collect their messages here, instead of
+        Pyro's ``MCMC.run`` loop, which keeps only chains of full length and lost every draw
+        at a Ctrl-C. Sets :attr:`structure` (each saved site's shape, a worker's first
+        message), and per chain :attr:`draws` (post-warmup flat vectors, the saved sites in
+        sorted order), :attr:`diagnostics` (the kernel's) and :attr:`transitions` (made,
+        warmup included). Returns whether the run was interrupted.
+
+        At the first Ctrl-C the workers end their chains after the transition they are in
+        (:func:`_run_worker`) and send their diagnostics, and this returns what they drew; a
+        second one abandons them (``KeyboardInterrupt``). A worker that ends without its
+        results (killed for lack of memory) is an error, where Pyro's loop waited for ever."""
         self.has_run = True
-        yield from super().run(*args, **kwargs)
+        C = self.num_chains
+        self.structure, self.draws = None, [[] for _ in range(C)]
+        self.diagnostics, self.transitions = [None] * C, [self.warmup_steps + self.num_samples] * C
+        started, running, interrupts = set(), set(range(C)), []
+
+        def on_interrupt(signum, frame):
+            # a flag, not a KeyboardInterrupt in the middle of reading a message (which loses
+            # it, and the worker that sent it prints a ConnectionResetError)
+            if interrupts:  # the second: abandon the workers
+                raise KeyboardInterrupt
+            interrupts.append(signum)
+
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers: this process stops them
+        try:
+            self.init_workers(*args, **kwargs)
+            for worker in self.workers:
+                worker.start()
+            signal.signal(signal.SIGINT, on_interrupt)
+            while running:
+                if interrupts and not self.stop.is_set():
+                    self.stop.set()
+                    for event in self.events:  # also those of draws not read yet: `collected` keeps them
+                        event.set()
+                try:
+                    chain, message = self.result_queue.get(timeout=0.5)
+                except queue.Empty:
+                    if any(w.is_alive() for w in self.workers) or not self.result_queue.empty():
+                        continue
+                    raise RuntimeError(
+                        f"the worker processes of chains {sorted(running)} ended without their chains' results "
+                        f"(exit codes {[self.workers[c].exitcode for c in sorted(running)]}; -9: killed, e.g. "
+                        "for lack of memory): run fewer chains at once, or chain_method='vectorized'"
+                    ) from None
+                if isinstance(message, Exception):  # the worker has logged its traceback
+                    raise message
+                if message is None:
+                    running.discard(chain)
+                    continue
+                if isinstance(message, _ChainEnded):  # stopped early
+                    self.transitions[chain], self.diagnostics[chain] = message
+                elif isinstance(message, dict) and chain not in started:
+                    started.add(chain)
+                    self.structure = message
+                elif isinstance(message, dict):  # a finished chain's diagnostics
+                    self.diagnostics[chain] = message
+                else:  # a copy: the message is in memory the worker shares
+                    self.draws[chain].append(message.clone())
+                self.events[chain].set()
+        finally:
+            signal.signal(signal.SIGINT, handler)
+            self.collected.set()
+            self.terminate(terminate_workers=True)
+        return bool(interrupts)
 
     def init_workers(self, *args, **kwargs):
         self.workers = []
+        self.stop, self.collected = self.ctx.Event(), self.ctx.Event()
         seeds = torch.randint(0, _MAX_SEED, (self.num_chains,)).tolist()
         for chain in range(self.num_chains):
             kernel = copy.copy(self.kernel)
@@ -471,17 +571,57 @@ class _ParallelSampler(_MultiSampler):
             worker.rng_seed = seeds[chain]
             # daemonic, as Pyro means them to be (it marks its _Worker object, not the process):
             # a worker left behind by an error here ends with this process
-            self.workers.append(self.ctx.Process(name=str(chain), target=_run_worker, args=(worker, *args),
+            self.workers.append(self.ctx.Process(name=str(chain), target=_run_worker,
+                                                 args=(worker, self.stop, self.collected, *args),
                                                  kwargs=kwargs, daemon=True))
 
 
-def _run_worker(worker: _Worker, *args, **kwargs):
-    """A worker process's chain, on one thread. A process forked from one whose torch had
-    run on several threads hangs at its first multi-threaded operation (the threads are not
-    copied into it; here the second run of an ``MCMC`` of a 2-D ``MultivariateNormal``, with
-    Pyro's kernels and ours). One chain per process on a core each needs no more."""
+class _ChainEnded(NamedTuple):
+    """A stopped worker's last message before ``None``: the transitions its chain made
+    (warmup included; the draws of those after the warmup were sent) and its kernel's
+    ``diagnostics()``."""
+
+    transitions: int
+    diagnostics: dict
+
+
+class _StopChain(BaseException):
+    """Raised in a worker by its hook once the main process asks the chains to stop: not an
+    ``Exception``, which Pyro's worker loop would send to the main process as the run's error."""
+
+
+def _run_worker(worker: _Worker, stop, collected, *args, **kwargs):
+    """A worker process's chain, on one thread, until it ends or ``stop`` (an event) is set;
+    then it sends :class:`_ChainEnded` instead of the rest of its draws, and waits for
+    ``collected`` (an event: the main process has read every message).
+
+    One thread: a process forked from one whose torch had run on several threads hangs at
+    its first multi-threaded operation (the threads are not copied into it; here the second
+    run of an ``MCMC`` of a 2-D ``MultivariateNormal``, with Pyro's kernels and ours). One
+    chain per process on a core each needs no more."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    worker.run(*args, **kwargs)
+    transitions, hook = 0, worker.hook
+
+    def stopping(kernel, params, stage, i):
+        nonlocal transitions
+        if stop.is_set():
+            raise _StopChain()
+        transitions += 1
+        if hook is not None:
+            hook(kernel, params, stage, i)
+
+    worker.hook = stopping
+    try:
+        worker.run(*args, **kwargs)
+    except _StopChain:
+        worker.result_queue.put_nowait((worker.chain_id, _ChainEnded(transitions, worker.kernel.diagnostics())))
+        worker.result_queue.put_nowait((worker.chain_id, None))
+    if stop.is_set():
+        # the tensors of the messages reach the main process through this process's file
+        # descriptors, so it must live until they are read; in a run, the main process says
+        # when by the event after each message, but at a stop it sets them all at once
+        collected.wait(timeout=600)
 
 
 class _EagerGradient(Exception):

@@ -516,6 +516,90 @@ def test_parallel_chains_repeat_a_seeded_run_and_draw_afresh_in_the_next(monkeyp
     assert not torch.equal(draws[1], draws[2]) and not torch.equal(draws[2][0], draws[2][1])
 
 
+CTRL_C_SCRIPT = """
+import json, os, signal, warnings
+import torch, pyro, pyro.distributions as dist
+from pyro_hmc_plus import MCMC, NUTS
+
+torch.multiprocessing.cpu_count = lambda: 8  # worker processes although this machine may have 2 CPUs
+
+def model():
+    pyro.sample("q", dist.Normal(torch.tensor([0.0, 3.0]), torch.tensor([1.0, 0.5])).to_event(1))
+
+press = {"at": 40}
+all_there = torch.multiprocessing.Barrier(3)
+
+def hook(kernel, params, stage, i):  # in the workers: at draw 40 of every chain, chain 0 presses Ctrl-C
+    if stage == "Sample" and i == press["at"]:
+        all_there.wait()
+        if kernel._chain_of_run[0] == 0:
+            os.killpg(os.getpgid(0), signal.SIGINT)  # as a terminal does: this process and its workers
+
+runs = []
+for at in (40, None):
+    press["at"] = at
+    pyro.set_rng_seed(0)
+    mcmc = MCMC(NUTS(model), num_samples=300, warmup_steps=50, num_chains=3, chain_method="parallel",
+                hook_fn=hook, disable_progbar=True, warn_on_problems=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mcmc.run()
+    idata = mcmc.to_inference_data()
+    runs.append({"warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+                 "q": mcmc.get_samples(group_by_chain=True)["q"].tolist(),
+                 "lp": idata.sample_stats["lp"].values.tolist(), "posterior": list(idata.posterior["q"].shape)})
+print(json.dumps(runs))
+"""
+
+
+def test_ctrl_c_of_parallel_chains_keeps_the_draws_made_so_far():
+    """Ctrl-C in a terminal (SIGINT to the process and its workers) during worker-process
+    chains: Pyro's loop raised ``KeyboardInterrupt`` and lost every draw (it holds only chains
+    of full length, and sample statistics arrive at a chain's end). Now the workers end their
+    chains after the transition they are in and send what they recorded: every chain keeps as
+    many post-warmup draws as the one with fewest, the draws the same seed gives without the
+    interrupt, with their sample statistics. In a process of its own, whose group the
+    signal goes to."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", CTRL_C_SCRIPT], capture_output=True, text=True, timeout=300,
+                         start_new_session=True)
+    assert out.returncode == 0, out.stderr
+    interrupted, complete = json.loads(out.stdout)
+    (warning,) = interrupted["warnings"]
+    kept = re.fullmatch(r"sampling interrupted: draws per chain \[(\d+), (\d+), (\d+)\] \(of 350, warmup 50\); "
+                        r"keeping the first (\d+) post-warmup draws of every chain", warning)
+    assert kept, warning
+    *transitions, num_kept = map(int, kept.groups())
+    assert all(50 + 40 < t < 350 for t in transitions) and num_kept == min(transitions) - 50
+    q, q_complete = torch.tensor(interrupted["q"]), torch.tensor(complete["q"])
+    assert q.shape == (3, num_kept, 2) and interrupted["posterior"] == [3, num_kept, 2]
+    assert torch.equal(q, q_complete[:, :num_kept])
+    assert interrupted["lp"] == [chain[:num_kept] for chain in complete["lp"]]
+    assert complete["warnings"] == [] and q_complete.shape == (3, 300, 2)
+    assert "Traceback" not in out.stderr  # no worker's ConnectionResetError
+
+
+def test_a_worker_process_that_dies_is_an_error_not_a_wait_for_ever(monkeypatch):
+    """A worker process killed mid-run (here by itself; by the kernel's OOM killer in
+    life) sends nothing more: Pyro's loop waited for its results for ever."""
+    import os
+    import signal
+
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+
+    def hook(kernel, params, stage, i):
+        if stage == "Sample" and i == 5 and kernel._chain_of_run[0] == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    mcmc = MCMC(NUTS(gauss2d), num_samples=30, warmup_steps=10, num_chains=2, chain_method="parallel",
+                hook_fn=hook, disable_progbar=True, warn_on_problems=False)
+    with pytest.raises(RuntimeError, match=r"worker processes of chains \[1\] ended without .*exit codes \[-9\]"):
+        mcmc.run()
+
+
 @pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "parallel"])
 def test_transforms_given_to_mcmc_for_some_sites_leave_the_others_constrained(chain_method, monkeypatch):
     """``MCMC(transforms=...)`` maps the draws of the sites it names; the others take the
