@@ -190,6 +190,18 @@ def require_draws(mcmc, what: str) -> None:
         raise RuntimeError(f"{what} reads the draws of a run, and this MCMC has not run yet: call mcmc.run(...) first")
 
 
+def require_draws_for_split_rhat(samples: Dict[str, torch.Tensor], what: str) -> None:
+    """Stop with a clear error where the draws, grouped by chain ``(C, N) + site shape``,
+    are too few for Pyro's split R-hat (4 per chain; a run interrupted early keeps fewer):
+    Pyro fails with a bare ``AssertionError``."""
+    num_draws = min((v.shape[1] for v in samples.values()), default=0)
+    if num_draws < 4:
+        raise ValueError(
+            f"{what}'s split R-hat (Pyro's) needs at least 4 draws per chain; this run kept {num_draws}: "
+            "run more draws, or read mcmc.get_samples() directly"
+        )
+
+
 def to_inference_data(
     mcmc,
     *,
@@ -751,12 +763,7 @@ def summary_table(samples: Dict[str, torch.Tensor], prob: float = 0.9):
     import pandas as pd
     from pyro.infer.mcmc.util import summary
 
-    num_draws = min((v.shape[1] for v in samples.values()), default=0)
-    if num_draws < 4:
-        raise ValueError(
-            f"the summary's split R-hat (Pyro's) needs at least 4 draws per chain; this run kept {num_draws}: "
-            "run more draws, or read mcmc.get_samples() directly"
-        )
+    require_draws_for_split_rhat(samples, "the summary")
     pyro_stats = summary(samples, prob=prob, group_by_chain=True)
     rows, index = [], []
     for name in sorted(samples):

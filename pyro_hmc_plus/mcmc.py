@@ -38,7 +38,8 @@ from . import adaptation, chain_batch, rounds
 from ._warn import warn_user
 from .hmc import HMCState
 from .engine import EngineFallbackWarning, is_numerical_failure, with_autograd
-from .inference_data import Adaptation, chain_diagnostics, diagnose, require_draws, summary_table, to_inference_data
+from .inference_data import (Adaptation, chain_diagnostics, diagnose, require_draws, require_draws_for_split_rhat,
+                             summary_table, to_inference_data)
 from .kernels import HMC, _flatten, _unflatten, _warn_of_a_singular_dense_metric, one_step_energy_change
 from .nuts import select
 from .metric import Metric, make_metric
@@ -375,8 +376,10 @@ class MCMC(pyro.infer.MCMC):
         return super().get_samples(num_samples, group_by_chain)
 
     def diagnostics(self):
-        """Pyro's :meth:`pyro.infer.MCMC.diagnostics`, with a clear error before a run."""
+        """Pyro's :meth:`pyro.infer.MCMC.diagnostics`, with a clear error before a run or
+        after one that kept too few draws (an interrupted one)."""
         require_draws(self, "diagnostics()")
+        require_draws_for_split_rhat(self._samples, "diagnostics()")
         return super().diagnostics()
 
     def to_inference_data(self, **kwargs):

@@ -490,14 +490,17 @@ def test_summary_prints_pyro_and_arviz_columns(schools_run, capsys):
 
 
 def test_summary_of_too_few_draws_says_so():
-    """Pyro's split R-hat halves each chain: under 4 draws a chain its summary fails on a bare
-    assertion (pyro.infer.MCMC too); ours says why and what to do."""
+    """Pyro's split R-hat halves each chain: under 4 draws a chain its summary and its
+    diagnostics() fail on a bare assertion (pyro.infer.MCMC too; a run interrupted early
+    keeps as few); ours say why and what to do."""
     pyro.set_rng_seed(0)
     mcmc = MCMC(NUTS(gamma_poisson), num_samples=3, warmup_steps=10, num_chains=2, disable_progbar=True,
                 warn_on_problems=False)
     mcmc.run(torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="at least 4 draws per chain; this run kept 3"):
         mcmc.summary()
+    with pytest.raises(ValueError, match=r"diagnostics\(\)'s split R-hat .* at least 4 draws per chain; this run kept 3"):
+        mcmc.diagnostics()
 
 
 def test_kernels_without_statistics_get_a_clear_error():
