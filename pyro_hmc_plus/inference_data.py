@@ -356,9 +356,8 @@ def to_inference_data(
             groups["warmup_posterior"] = {k: v.detach().cpu().numpy() for k, v in warmup_samples.items()}
         else:
             warn_user(
-                "this run does not keep warmup draws (pyro.infer.MCMC and chain_method='parallel' "
-                "discard them): exporting warmup sample statistics only (pyro_hmc_plus.MCMC with "
-                "vectorized or sequential chains gives warmup_posterior too)",
+                "this run does not keep warmup draws (pyro.infer.MCMC discards them): exporting warmup "
+                "sample statistics only (pyro_hmc_plus.MCMC gives warmup_posterior too)",
                 UserWarning,
             )
     used = {k: v for k, v in all_dims.items() if any(k in g for g in groups.values())}

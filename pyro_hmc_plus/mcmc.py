@@ -255,14 +255,20 @@ class MCMC(pyro.infer.MCMC):
         self._diagnostics = sampler.diagnostics
         if self.transforms is None:
             self._set_transforms(*args, **kwargs)
-        size = sum(shape.numel() for shape in sampler.structure.values())
-        flat = torch.stack([torch.stack(d[:num_kept]) if num_kept else torch.zeros(0, size) for d in sampler.draws])
+        self._samples = self._from_workers(sampler.draws, num_kept)
+        self.warmup_samples = self._from_workers(sampler.warmup, min(len(w) for w in sampler.warmup))
+
+    def _from_workers(self, draws: List[List[torch.Tensor]], num: int) -> dict:
+        """The first ``num`` of each chain's flat draws from its worker as Pyro's ``_samples``:
+        per saved site, ``(C, num) + site shape``, in constrained space."""
+        structure = self.sampler.structure
+        size = sum(shape.numel() for shape in structure.values())
+        flat = torch.stack([torch.stack(d[:num]) if num else torch.zeros(0, size) for d in draws])
         params, start = {}, 0
-        for name in sorted(sampler.structure):  # the order the workers flattened them in
-            shape = sampler.structure[name]
-            params[name] = flat[..., start : start + shape.numel()].reshape(flat.shape[:2] + shape)
-            start += shape.numel()
-        self._samples = self._constrained(params)
+        for name in sorted(structure):  # the order the workers flattened them in
+            params[name] = flat[..., start : start + structure[name].numel()].reshape(flat.shape[:2] + structure[name])
+            start += structure[name].numel()
+        return self._constrained(params)
 
     def _set_transforms(self, *args, **kwargs):
         """The transforms that take the draws to constrained space: those given to this
@@ -495,9 +501,9 @@ class _ParallelSampler(_MultiSampler):
         """Run every chain in its worker process and collect their messages here, instead of
         Pyro's ``MCMC.run`` loop, which keeps only chains of full length and lost every draw
         at a Ctrl-C. Sets :attr:`structure` (each saved site's shape, a worker's first
-        message), and per chain :attr:`draws` (post-warmup flat vectors, the saved sites in
-        sorted order), :attr:`diagnostics` (the kernel's) and :attr:`transitions` (made,
-        warmup included). Returns whether the run was interrupted.
+        message), and per chain :attr:`warmup` and :attr:`draws` (lists of flat vectors, the
+        saved sites in sorted order), :attr:`diagnostics` (the kernel's) and
+        :attr:`transitions` (made, warmup included). Returns whether the run was interrupted.
 
         At the first Ctrl-C the workers end their chains after the transition they are in
         (:func:`_run_worker`) and send their diagnostics, and this returns what they drew; a
@@ -505,7 +511,7 @@ class _ParallelSampler(_MultiSampler):
         results (killed for lack of memory) is an error, where Pyro's loop waited for ever."""
         self.has_run = True
         C = self.num_chains
-        self.structure, self.draws = None, [[] for _ in range(C)]
+        self.structure, self.warmup, self.draws = None, [[] for _ in range(C)], [[] for _ in range(C)]
         self.diagnostics, self.transitions = [None] * C, [self.warmup_steps + self.num_samples] * C
         started, running, interrupts = set(), set(range(C)), []
 
@@ -544,6 +550,8 @@ class _ParallelSampler(_MultiSampler):
                     continue
                 if isinstance(message, _ChainEnded):  # stopped early
                     self.transitions[chain], self.diagnostics[chain] = message
+                elif isinstance(message, _WarmupDraws):
+                    self.warmup[chain] = list(message.draws.clone())
                 elif isinstance(message, dict) and chain not in started:
                     started.add(chain)
                     self.structure = message
@@ -588,6 +596,13 @@ class _ChainEnded(NamedTuple):
     diagnostics: dict
 
 
+class _WarmupDraws(NamedTuple):
+    """A worker's warmup draws ``(num, size)``, sent at the end of its warmup (Pyro's workers
+    send none), flat as its draws after the warmup."""
+
+    draws: torch.Tensor
+
+
 class _StopChain(BaseException):
     """Raised in a worker by its hook once the main process asks the chains to stop: not an
     ``Exception``, which Pyro's worker loop would send to the main process as the run's error."""
@@ -596,7 +611,8 @@ class _StopChain(BaseException):
 def _run_worker(worker: _Worker, stop, collected, *args, **kwargs):
     """A worker process's chain, on one thread, until it ends or ``stop`` (an event) is set;
     then it sends :class:`_ChainEnded` instead of the rest of its draws, and waits for
-    ``collected`` (an event: the main process has read every message).
+    ``collected`` (an event: the main process has read every message). Its warmup draws go
+    to the main process at the end of the warmup (:class:`_WarmupDraws`).
 
     One thread: a process forked from one whose torch had run on several threads hangs at
     its first multi-threaded operation (the threads are not copied into it; here the second
@@ -604,20 +620,33 @@ def _run_worker(worker: _Worker, stop, collected, *args, **kwargs):
     chain per process on a core each needs no more."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    transitions, hook = 0, worker.hook
+    transitions, warmup, hook = 0, [], worker.hook
 
-    def stopping(kernel, params, stage, i):
+    def send(message):
+        worker.result_queue.put_nowait((worker.chain_id, message))
+        worker.event.wait()  # until the main process has read it, as Pyro's worker does a draw
+        worker.event.clear()
+
+    def hook_of_the_chain(kernel, params, stage, i):
         nonlocal transitions
         if stop.is_set():
             raise _StopChain()
         transitions += 1
+        if stage == "Warmup":  # flattened as Pyro's _gen_samples flattens a draw after the warmup
+            save_params = getattr(kernel, "save_params", sorted(params))
+            warmup.append(torch.cat([params[name].reshape(-1) for name in save_params]))
+        elif warmup:  # the first draw after the warmup
+            send(_WarmupDraws(torch.stack(warmup)))
+            warmup.clear()
         if hook is not None:
             hook(kernel, params, stage, i)
 
-    worker.hook = stopping
+    worker.hook = hook_of_the_chain
     try:
         worker.run(*args, **kwargs)
     except _StopChain:
+        if warmup:
+            send(_WarmupDraws(torch.stack(warmup)))
         worker.result_queue.put_nowait((worker.chain_id, _ChainEnded(transitions, worker.kernel.diagnostics())))
         worker.result_queue.put_nowait((worker.chain_id, None))
     if stop.is_set():

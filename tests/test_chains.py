@@ -546,7 +546,7 @@ for at in (40, None):
         mcmc.run()
     idata = mcmc.to_inference_data()
     runs.append({"warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
-                 "q": mcmc.get_samples(group_by_chain=True)["q"].tolist(),
+                 "q": mcmc.get_samples(group_by_chain=True)["q"].tolist(), "warmup": mcmc.warmup_samples["q"].tolist(),
                  "lp": idata.sample_stats["lp"].values.tolist(), "posterior": list(idata.posterior["q"].shape)})
 print(json.dumps(runs))
 """
@@ -558,7 +558,7 @@ def test_ctrl_c_of_parallel_chains_keeps_the_draws_made_so_far():
     of full length, and sample statistics arrive at a chain's end). Now the workers end their
     chains after the transition they are in and send what they recorded: every chain keeps as
     many post-warmup draws as the one with fewest, the draws the same seed gives without the
-    interrupt, with their sample statistics. In a process of its own, whose group the
+    interrupt, with their sample statistics and the warmup draws. In a process of its own, whose group the
     signal goes to."""
     import json
     import subprocess
@@ -578,6 +578,7 @@ def test_ctrl_c_of_parallel_chains_keeps_the_draws_made_so_far():
     assert q.shape == (3, num_kept, 2) and interrupted["posterior"] == [3, num_kept, 2]
     assert torch.equal(q, q_complete[:, :num_kept])
     assert interrupted["lp"] == [chain[:num_kept] for chain in complete["lp"]]
+    assert interrupted["warmup"] == complete["warmup"] and torch.tensor(complete["warmup"]).shape == (3, 50, 2)
     assert complete["warnings"] == [] and q_complete.shape == (3, 300, 2)
     assert "Traceback" not in out.stderr  # no worker's ConnectionResetError
 

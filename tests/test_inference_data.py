@@ -414,13 +414,16 @@ def test_lp_is_minus_the_potential_energy_with_jacobian_under_pyro_mcmc():
     assert warm.warmup_sample_stats["lp"].shape == (2, 50) and not hasattr(warm, "warmup_posterior")
 
 
-def test_sequential_chains_keep_their_warmup_draws():
-    """``pyro_hmc_plus.MCMC`` runs sequential chains through Pyro's loop, which discards the
-    warmup draws: ``warmup_posterior`` was missing (with a warning that blamed
-    ``pyro.infer.MCMC``). Each warmup draw is where its statistics were recorded: lp = -U."""
+@pytest.mark.parametrize("chain_method", ["sequential", "parallel"])
+def test_sequential_and_parallel_chains_keep_their_warmup_draws(chain_method, monkeypatch):
+    """``pyro_hmc_plus.MCMC`` runs sequential chains through Pyro's loop, and Pyro's worker
+    processes (forced here) send no warmup draws: ``warmup_posterior`` was missing (with a
+    warning that blamed ``pyro.infer.MCMC``). Each warmup draw is where its statistics were
+    recorded: lp = -U."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
     y = torch.tensor([3.0, 1.0, 4.0, 1.0, 5.0])
     pyro.set_rng_seed(2)
-    mcmc = MCMC(NUTS(gamma_poisson), num_samples=20, warmup_steps=30, num_chains=2, chain_method="sequential",
+    mcmc = MCMC(NUTS(gamma_poisson), num_samples=20, warmup_steps=30, num_chains=2, chain_method=chain_method,
                 disable_progbar=True, warn_on_problems=False)
     mcmc.run(y)
     with warnings.catch_warnings():
