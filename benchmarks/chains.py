@@ -10,6 +10,8 @@ warmup included in the wall time):
   batch, each at its own pace; also reports the batch utilisation;
 * ``sequential``: ``pyro_hmc_plus.MCMC(..., chain_method="sequential")``, our kernel, one
   chain after another;
+* ``parallel``: ``pyro_hmc_plus.MCMC(..., chain_method="parallel")``, our kernel, one worker
+  process per chain (forced, as below), reporting its draws in batches;
 * ``pyro_parallel``: Pyro's ``MCMC`` with Pyro's kernel and one worker process per chain
   (forced even when there are fewer CPUs than chains, which Pyro would otherwise run
   sequentially: that is the configuration users reach for).
@@ -38,7 +40,7 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 from nuts import make_problem  # noqa: E402  (the same models as the NUTS benchmark)
 
-CONTENDERS = ("vectorized", "sequential", "pyro_parallel")
+CONTENDERS = ("vectorized", "sequential", "parallel", "pyro_parallel")
 
 
 def min_bulk_ess(samples: dict) -> float:
@@ -74,6 +76,8 @@ def run_one(model_name, kernel_name, contender, num_chains, warmup, samples, see
         from pyro_hmc_plus import HMC, MCMC, NUTS
 
         options = {"chain_method": contender, "warn_on_problems": False}  # Pyro's MCMC has no checks either
+        if contender == "parallel":
+            torch.multiprocessing.cpu_count = lambda: num_chains + 1  # Pyro's rule, which ours follows
         if contender == "vectorized":
             options["leaves_per_call"] = leaves_per_call
     ours = {} if contender == "pyro_parallel" else {"engine": engine}

@@ -8,7 +8,7 @@ round (NUTS: a transition's fused start or a chunk of a deeper tree,
 waits for another's trajectory, nothing is pickled and no worker process is spawned.
 ``"sequential"`` and ``"parallel"`` are Pyro's (one chain after another in this process,
 through Pyro's own ``_gen_samples`` but without its per-draw logging; one process per
-chain).
+chain, reporting in batches).
 
 The host side of a vectorized run lives here: each chain's adaptation windows (a chain is
 paused in the compiled call when it reaches the end of a window; its metric and step size are
@@ -21,17 +21,20 @@ from __future__ import annotations
 
 import copy
 import numbers
+import pickle
 import queue
 import signal
+import sys
 import time
-from typing import List, NamedTuple
+import traceback
+from typing import List, NamedTuple, Optional
 
 import pyro
 import pyro.poutine as poutine
 import torch
 import torch.multiprocessing as mp
 from pyro.infer.mcmc.api import MAX_SEED as _MAX_SEED
-from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _MultiSampler, _UnarySampler, _Worker
+from pyro.infer.mcmc.api import AbstractMCMC, _gen_samples, _UnarySampler
 from tqdm.auto import tqdm
 
 from . import adaptation, chain_batch, rounds
@@ -62,10 +65,11 @@ class MCMC(pyro.infer.MCMC):
         all chains in one batch, each at its own pace;
         ``"sequential"``: one chain after another (Pyro's way without processes, minus
         Pyro's per-draw JSON logging: ~90 µs less per draw);
-        ``"parallel"``: Pyro's one process per chain (sequential when there are fewer CPUs
-        than chains, as in Pyro), each chain from its own ``initial_params`` (in Pyro's, every
-        chain starts from the last chain's), keeping the draws at a Ctrl-C (Pyro's lost them).
-        Other kernels only run ``"sequential"``/``"parallel"``.
+        ``"parallel"``: one worker process per chain, as Pyro's (sequential when there are
+        fewer CPUs than chains, as in Pyro), each chain from its own ``initial_params`` (in
+        Pyro's, every chain starts from the last chain's), its draws sent in batches (Pyro's
+        workers send each on its own: ~1-2 ms a draw), keeping the draws at a Ctrl-C (Pyro's
+        lost them). Other kernels only run ``"sequential"``/``"parallel"``.
         Vectorized chains share the per-operation overhead of a small model; a model whose
         gradient is mostly arithmetic (thousands of dimensions or data points) gains
         nothing from that (4 NUTS chains with D=2,004: as fast as sequential ones), and
@@ -239,7 +243,7 @@ class MCMC(pyro.infer.MCMC):
         after an interrupted vectorized run."""
         self._args, self._kwargs = args, kwargs
         args = [arg.detach() if torch.is_tensor(arg) else arg for arg in args]
-        sampler = self.sampler = self.sampler.for_another_run()
+        sampler = self.sampler
         with pyro.validation_enabled(not self.disable_validation):
             interrupted = sampler.collect(*args, **kwargs)
         if sampler.structure is None:  # interrupted before any chain was set up
@@ -402,12 +406,15 @@ class MCMC(pyro.infer.MCMC):
             print(f"\nNumber of divergences: {sum(len(d['divergences']) for d in self._diagnostics)}")
 
 
-def _setup_bar(total: int, disable: bool) -> tqdm:
-    """The run's progress bar, shown from the start as "Setup": tracing and checking the
-    model and building the sampler's programs come before the first draw (a second, or
-    ~15 s for a model of a thousand sample sites in a Python loop). Reset at the first draws,
-    so that its rate and time left are the sampling's."""
-    return tqdm(total=total, disable=disable, dynamic_ncols=True, desc="Setup")
+def _setup_bar(total: int, disable: bool, chain: Optional[int] = None) -> tqdm:
+    """The run's progress bar (``chain``'s, one line each, for chains in worker processes),
+    shown from the start as "Setup": tracing and checking the model and building the
+    sampler's programs come before the first draw (a second, or ~15 s for a model of a
+    thousand sample sites in a Python loop). Reset at the first draws, so that its rate and
+    time left are the sampling's."""
+    if chain is None:
+        return tqdm(total=total, disable=disable, dynamic_ncols=True, desc="Setup")
+    return tqdm(total=total, disable=disable, dynamic_ncols=True, desc=f"Setup [{chain}]", position=chain)
 
 
 class _SequentialSampler(_UnarySampler):
@@ -468,151 +475,159 @@ class _SequentialSampler(_UnarySampler):
         self.kernel.cleanup()
 
 
-class _ParallelSampler(_MultiSampler):
-    """Pyro's one worker process per chain, each worker with its own copy of the kernel and
-    its own seed drawn from this process's random numbers.
+class _ParallelSampler:
+    """One worker process per chain (Pyro's ``chain_method="parallel"``), each with its own
+    copy of the kernel and its own seed, reporting to this process in batches.
 
-    Pyro's workers share one kernel object, which each sets to its chain's ``initial_params``
-    and which is copied into the processes only when they all start: every chain started from
-    the last chain's initial values. A copy of this package's kernel also knows its chain, to
-    take the chain's step size and metric where they are given one per chain. Pyro seeds
+    Pyro's sampler has four faults this one mends. Its workers share one kernel object, which
+    each sets to its chain's ``initial_params`` and which is copied into the processes only
+    when they all start: every chain started from the last chain's initial values. It seeds
     chain ``c`` with ``torch.initial_seed() + c``, the same in every run of the process: a
-    second run, to go on from the first, repeated the first's random numbers (the same draws
-    where it started from the same points). Drawn seeds keep a seeded run reproducible, as
-    the other chain methods draw from the same stream.
+    second run, to go on from the first, repeated the first's random numbers. It sends every
+    draw on its own, through shared memory and a file descriptor, and every draw's
+    ``kernel.logging()`` for the progress bars, and waits for this process to take each: ~1-2
+    ms a draw, more than a whole NUTS transition of this package's kernels (two chains of
+    eight schools on two cores took 2.3x as long as the same chains one after another). And
+    its loop keeps only chains of full length: a Ctrl-C lost every draw. Here the workers
+    send their draws by value, in batches, and this process keeps what they sent.
 
-    Pyro's log thread, made with the sampler, draws the progress bars from the workers'
-    records and ends with the run: a second run of the same ``MCMC`` showed no progress, its
-    workers' records left unread (:meth:`for_another_run`)."""
+    A copy of this package's kernel also knows its chain, to take the chain's step size and
+    metric where they are given one per chain."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._arguments = (args, kwargs)
-        self.has_run = False
-
-    def for_another_run(self) -> "_ParallelSampler":
-        """This sampler, or a new one with the same settings once it has run."""
-        if not self.has_run:
-            return self
-        args, kwargs = self._arguments
-        return _ParallelSampler(*args, **kwargs)
+    def __init__(self, kernel, num_samples, warmup_steps, num_chains, mp_context, disable_progbar,
+                 initial_params=None, hook=None):
+        self.kernel, self.num_samples, self.warmup_steps, self.num_chains = kernel, num_samples, warmup_steps, num_chains
+        self.ctx = mp.get_context(mp_context) if mp_context else mp
+        self.disable_progbar, self.initial_params, self.hook = disable_progbar, initial_params, hook
 
     def collect(self, *args, **kwargs) -> bool:
-        """Run every chain in its worker process and collect their messages here, instead of
-        Pyro's ``MCMC.run`` loop, which keeps only chains of full length and lost every draw
-        at a Ctrl-C. Sets :attr:`structure` (each saved site's shape, a worker's first
-        message), and per chain :attr:`warmup` and :attr:`draws` (lists of flat vectors, the
-        saved sites in sorted order), :attr:`diagnostics` (the kernel's) and
-        :attr:`transitions` (made, warmup included). Returns whether the run was interrupted.
+        """Run every chain in its worker process (:func:`_run_worker`) and collect what they
+        send. Sets :attr:`structure` (each saved site's shape, a worker's first message), and
+        per chain :attr:`warmup` and :attr:`draws` (lists of flat vectors, the saved sites in
+        sorted order), :attr:`diagnostics` (the kernel's) and :attr:`transitions` (made,
+        warmup included). Returns whether the run was interrupted.
 
-        At the first Ctrl-C the workers end their chains after the transition they are in
-        (:func:`_run_worker`) and send their diagnostics, and this returns what they drew; a
-        second one abandons them (``KeyboardInterrupt``). A worker that ends without its
-        results (killed for lack of memory) is an error, where Pyro's loop waited for ever."""
-        self.has_run = True
-        C = self.num_chains
+        At the first Ctrl-C the workers end their chains after the transition they are in and
+        send what they have, and this returns it; a second one abandons them
+        (``KeyboardInterrupt``). A worker that ends without its results (killed for lack of
+        memory) is an error, where Pyro's loop waited for ever."""
+        C, total = self.num_chains, self.warmup_steps + self.num_samples
         self.structure, self.warmup, self.draws = None, [[] for _ in range(C)], [[] for _ in range(C)]
-        self.diagnostics, self.transitions = [None] * C, [self.warmup_steps + self.num_samples] * C
-        started, running, interrupts = set(), set(range(C)), []
+        self.diagnostics, self.transitions = [None] * C, [0] * C
+        results, stop = self.ctx.Queue(), self.ctx.Event()
+        seeds = torch.randint(0, _MAX_SEED, (C,)).tolist()
+        workers = []
+        for chain in range(C):
+            kernel = copy.copy(self.kernel)
+            if isinstance(kernel, HMC):
+                kernel._chain_of_run = (chain, C)
+            if self.initial_params is not None:
+                kernel.initial_params = {k: v[chain] for k, v in self.initial_params.items()}
+            # daemonic: a worker left behind by an error here ends with this process
+            workers.append(self.ctx.Process(
+                name=f"chain {chain}", target=_run_worker, daemon=True,
+                args=(_WorkerSettings(chain, kernel, self.warmup_steps, self.num_samples, self.hook, seeds[chain],
+                                      torch.get_default_dtype(), torch.get_default_device()), results, stop, *args),
+                kwargs=kwargs))
+        bars = [_setup_bar(total, self.disable_progbar, chain) for chain in range(C)]
+        running, interrupts = set(range(C)), []
 
         def on_interrupt(signum, frame):
-            # a flag, not a KeyboardInterrupt in the middle of reading a message (which loses
-            # it, and the worker that sent it prints a ConnectionResetError)
+            # a flag, not a KeyboardInterrupt in the middle of reading a message
             if interrupts:  # the second: abandon the workers
                 raise KeyboardInterrupt
             interrupts.append(signum)
 
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers: this process stops them
         try:
-            self.init_workers(*args, **kwargs)
-            for worker in self.workers:
+            for worker in workers:
                 worker.start()
             signal.signal(signal.SIGINT, on_interrupt)
             while running:
-                if interrupts and not self.stop.is_set():
-                    self.stop.set()
-                    for event in self.events:  # also those of draws not read yet: `collected` keeps them
-                        event.set()
+                if interrupts:
+                    stop.set()
                 try:
-                    chain, message = self.result_queue.get(timeout=0.5)
+                    chain, payload = results.get(timeout=0.5)
                 except queue.Empty:
-                    if any(w.is_alive() for w in self.workers) or not self.result_queue.empty():
+                    if any(w.is_alive() for w in workers) or not results.empty():
                         continue
                     raise RuntimeError(
                         f"the worker processes of chains {sorted(running)} ended without their chains' results "
-                        f"(exit codes {[self.workers[c].exitcode for c in sorted(running)]}; -9: killed, e.g. "
-                        "for lack of memory): run fewer chains at once, or chain_method='vectorized'"
+                        f"(exit codes {[workers[c].exitcode for c in sorted(running)]}; -9: killed, e.g. for lack "
+                        "of memory): run fewer chains at once, or chain_method='vectorized'"
                     ) from None
-                if isinstance(message, Exception):  # the worker has logged its traceback
+                message = pickle.loads(payload)
+                if isinstance(message, BaseException):  # the worker has printed its traceback
                     raise message
-                if message is None:
-                    running.discard(chain)
-                    continue
-                if isinstance(message, _ChainEnded):  # stopped early
-                    self.transitions[chain], self.diagnostics[chain] = message
-                elif isinstance(message, _WarmupDraws):
-                    self.warmup[chain] = list(message.draws.clone())
-                elif isinstance(message, dict) and chain not in started:
-                    started.add(chain)
+                if isinstance(message, dict):  # the saved sites' shapes, once the chain is set up
                     self.structure = message
-                elif isinstance(message, dict):  # a finished chain's diagnostics
-                    self.diagnostics[chain] = message
-                else:  # a copy: the message is in memory the worker shares
-                    self.draws[chain].append(message.clone())
-                self.events[chain].set()
+                    continue
+                self.transitions[chain] = message.transitions
+                self.warmup[chain] += list(message.warmup)
+                self.draws[chain] += list(message.draws)
+                bar = bars[chain]
+                if bar.n == 0:
+                    bar.reset()  # rate and time left from the first draws on, not the setup
+                bar.set_description(f"{message.stage} [{chain}]", refresh=False)
+                bar.set_postfix(message.logging, refresh=False)
+                bar.update(message.transitions - bar.n)
+                if message.diagnostics is not None:  # the chain's end
+                    self.diagnostics[chain] = message.diagnostics
+                    running.discard(chain)
         finally:
             signal.signal(signal.SIGINT, handler)
-            self.collected.set()
-            self.terminate(terminate_workers=True)
+            for worker in workers:
+                if worker.is_alive():
+                    worker.terminate()
+            for bar in bars:
+                bar.close()
         return bool(interrupts)
 
-    def init_workers(self, *args, **kwargs):
-        self.workers = []
-        self.stop, self.collected = self.ctx.Event(), self.ctx.Event()
-        seeds = torch.randint(0, _MAX_SEED, (self.num_chains,)).tolist()
-        for chain in range(self.num_chains):
-            kernel = copy.copy(self.kernel)
-            if isinstance(kernel, HMC):
-                kernel._chain_of_run = (chain, self.num_chains)
-            worker = _Worker(
-                chain, self.result_queue, self.log_queue, self.events[chain], kernel, self.num_samples,
-                self.warmup_steps, hook=self.hook,
-                initial_params=None if self.initial_params is None else {k: v[chain] for k, v in self.initial_params.items()},
-            )
-            worker.rng_seed = seeds[chain]
-            # daemonic, as Pyro means them to be (it marks its _Worker object, not the process):
-            # a worker left behind by an error here ends with this process
-            self.workers.append(self.ctx.Process(name=str(chain), target=_run_worker,
-                                                 args=(worker, self.stop, self.collected, *args),
-                                                 kwargs=kwargs, daemon=True))
+
+class _WorkerSettings(NamedTuple):
+    """What a worker process runs: its chain (numbered), the kernel (a copy of its own), the
+    run's length, the user's hook, the chain's seed, and this process's default dtype and
+    device."""
+
+    chain: int
+    kernel: object
+    warmup_steps: int
+    num_samples: int
+    hook: object
+    seed: int
+    dtype: torch.dtype
+    device: torch.device
 
 
-class _ChainEnded(NamedTuple):
-    """A stopped worker's last message before ``None``: the transitions its chain made
-    (warmup included; the draws of those after the warmup were sent) and its kernel's
-    ``diagnostics()``."""
+class _ChainReport(NamedTuple):
+    """A worker's batch of news: its chain's transitions so far (warmup included), the
+    warmup draws and the draws after the warmup made since the last report (``(num, size)``
+    each, flat, the saved sites in sorted order), the stage and the kernel's ``logging()``
+    for the progress bar, and at the chain's end (or stop) the kernel's ``diagnostics()``."""
 
     transitions: int
-    diagnostics: dict
-
-
-class _WarmupDraws(NamedTuple):
-    """A worker's warmup draws ``(num, size)``, sent at the end of its warmup (Pyro's workers
-    send none), flat as its draws after the warmup."""
-
+    warmup: torch.Tensor
     draws: torch.Tensor
+    stage: str
+    logging: dict
+    diagnostics: Optional[dict]
 
 
 class _StopChain(BaseException):
     """Raised in a worker by its hook once the main process asks the chains to stop: not an
-    ``Exception``, which Pyro's worker loop would send to the main process as the run's error."""
+    ``Exception``, so that nothing on the way takes it for the chain's failure."""
 
 
-def _run_worker(worker: _Worker, stop, collected, *args, **kwargs):
-    """A worker process's chain, on one thread, until it ends or ``stop`` (an event) is set;
-    then it sends :class:`_ChainEnded` instead of the rest of its draws, and waits for
-    ``collected`` (an event: the main process has read every message). Its warmup draws go
-    to the main process at the end of the warmup (:class:`_WarmupDraws`).
+REPORTS_PER_SECOND = 4  # a worker's reports while its chain runs: the progress bar's rate
+
+
+def _run_worker(settings: _WorkerSettings, results, stop, *args, **kwargs):
+    """A worker process's chain by Pyro's ``_gen_samples`` (the kernel's setup and
+    transitions, the user's hook after each, the stages ``"Warmup"`` and ``"Sample"`` as in
+    Pyro's workers), on one thread, until it ends or ``stop`` (an event) is set. Every message
+    to ``results`` is ``(chain, pickled bytes)``: pickled by value, not through shared memory
+    and file descriptors as a queue sends tensors, which the main process could not read once
+    this process has ended. The draws go in batches (:class:`_ChainReport`), a few a second.
 
     One thread: a process forked from one whose torch had run on several threads hangs at
     its first multi-threaded operation (the threads are not copied into it; here the second
@@ -620,40 +635,50 @@ def _run_worker(worker: _Worker, stop, collected, *args, **kwargs):
     chain per process on a core each needs no more."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    transitions, warmup, hook = 0, [], worker.hook
+    torch.set_default_dtype(settings.dtype)
+    torch.set_default_device(settings.device)
+    pyro.set_rng_seed(settings.seed)
+    kernel = settings.kernel
+    state = {"transitions": 0, "warmup": [], "draws": [], "stage": "Setup", "sent_at": time.monotonic()}
 
     def send(message):
-        worker.result_queue.put_nowait((worker.chain_id, message))
-        worker.event.wait()  # until the main process has read it, as Pyro's worker does a draw
-        worker.event.clear()
+        results.put((settings.chain, pickle.dumps(message)))
 
-    def hook_of_the_chain(kernel, params, stage, i):
-        nonlocal transitions
+    def report(diagnostics=None):
+        batch = [torch.stack(state[k]) if state[k] else torch.empty(0) for k in ("warmup", "draws")]
+        send(_ChainReport(state["transitions"], *batch, state["stage"], kernel.logging(), diagnostics))
+        state.update(warmup=[], draws=[], sent_at=time.monotonic())
+
+    def hook(kernel, params, stage, i):
         if stop.is_set():
             raise _StopChain()
-        transitions += 1
+        state["transitions"] += 1
+        state["stage"] = stage
         if stage == "Warmup":  # flattened as Pyro's _gen_samples flattens a draw after the warmup
             save_params = getattr(kernel, "save_params", sorted(params))
-            warmup.append(torch.cat([params[name].reshape(-1) for name in save_params]))
-        elif warmup:  # the first draw after the warmup
-            send(_WarmupDraws(torch.stack(warmup)))
-            warmup.clear()
-        if hook is not None:
-            hook(kernel, params, stage, i)
+            state["warmup"].append(torch.cat([params[name].reshape(-1) for name in save_params]))
+        if settings.hook is not None:
+            settings.hook(kernel, params, stage, i)
+        if time.monotonic() - state["sent_at"] > 1 / REPORTS_PER_SECOND:
+            report()  # (a draw after the warmup goes with the next: it is yielded after this)
 
-    worker.hook = hook_of_the_chain
     try:
-        worker.run(*args, **kwargs)
+        samples = _gen_samples(kernel, settings.warmup_steps, settings.num_samples, hook, None, *args, **kwargs)
+        send(next(samples))  # the saved sites' shapes
+        for sample in samples:
+            if isinstance(sample, dict):  # the kernel's diagnostics, at the end
+                report(sample)
+            else:
+                state["draws"].append(sample)
     except _StopChain:
-        if warmup:
-            send(_WarmupDraws(torch.stack(warmup)))
-        worker.result_queue.put_nowait((worker.chain_id, _ChainEnded(transitions, worker.kernel.diagnostics())))
-        worker.result_queue.put_nowait((worker.chain_id, None))
-    if stop.is_set():
-        # the tensors of the messages reach the main process through this process's file
-        # descriptors, so it must live until they are read; in a run, the main process says
-        # when by the event after each message, but at a stop it sets them all at once
-        collected.wait(timeout=600)
+        report(kernel.diagnostics())
+    except Exception as e:
+        print(f"chain {settings.chain} failed in its worker process:", file=sys.stderr)
+        traceback.print_exc()
+        try:
+            send(e)
+        except Exception:  # it does not pickle
+            send(RuntimeError(f"chain {settings.chain} failed in its worker process: {type(e).__name__}: {e}"))
 
 
 class _EagerGradient(Exception):

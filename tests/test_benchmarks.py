@@ -47,4 +47,4 @@ def test_the_chains_benchmark_reports_every_contender():
                   "--warmup", "20", "--samples", "20")
     rows = [line.split() for line in lines if line.startswith("gauss2d")]
     assert {(row[1], row[3]) for row in rows} == {(kernel, contender) for kernel in ("nuts", "hmc")
-                                                  for contender in ("vectorized", "sequential", "pyro_parallel")}
+                                                  for contender in ("vectorized", "sequential", "parallel", "pyro_parallel")}

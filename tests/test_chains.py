@@ -601,6 +601,16 @@ def test_a_worker_process_that_dies_is_an_error_not_a_wait_for_ever(monkeypatch)
         mcmc.run()
 
 
+def test_a_chain_failing_in_its_worker_process_raises_its_error(monkeypatch, capfd):
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    starts = {"q": torch.tensor([[0.0, 0.0], [float("nan"), 0.0]])}
+    mcmc = MCMC(NUTS(gauss2d), num_samples=30, warmup_steps=10, num_chains=2, chain_method="parallel",
+                initial_params=starts, disable_progbar=True)
+    with pytest.raises(ValueError, match=r"initial values of sites \['q'\] are not finite"):
+        mcmc.run()
+    assert "chain 1 failed in its worker process:" in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("chain_method", ["vectorized", "sequential", "parallel"])
 def test_transforms_given_to_mcmc_for_some_sites_leave_the_others_constrained(chain_method, monkeypatch):
     """``MCMC(transforms=...)`` maps the draws of the sites it names; the others take the
