@@ -66,10 +66,11 @@ class MCMC(pyro.infer.MCMC):
         ``"sequential"``: one chain after another (Pyro's way without processes, minus
         Pyro's per-draw JSON logging: ~90 µs less per draw);
         ``"parallel"``: one worker process per chain, as Pyro's (sequential when there are
-        fewer CPUs than chains, as in Pyro), each chain from its own ``initial_params`` (in
-        Pyro's, every chain starts from the last chain's), its draws sent in batches (Pyro's
-        workers send each on its own: ~1-2 ms a draw), keeping the draws at a Ctrl-C (Pyro's
-        lost them). Other kernels only run ``"sequential"``/``"parallel"``.
+        more chains than CPUs; Pyro's also when there are as many), each chain from its own
+        ``initial_params`` (in Pyro's, every chain starts from the last chain's), its draws
+        sent in batches (Pyro's workers send each on its own: ~1-2 ms a draw), keeping the
+        draws at a Ctrl-C (Pyro's lost them). Other kernels only run
+        ``"sequential"``/``"parallel"``.
         Vectorized chains share the per-operation overhead of a small model; a model whose
         gradient is mostly arithmetic (thousands of dimensions or data points) gains
         nothing from that (4 NUTS chains with D=2,004: as fast as sequential ones), and
@@ -176,7 +177,9 @@ class MCMC(pyro.infer.MCMC):
         self._initial_params = initial_params
         self._hook = hook_fn
         self._diagnostics = [None] * num_chains
-        available_cpus = max(mp.cpu_count() - 1, 1)  # Pyro's rule: one CPU for the main process
+        # Pyro keeps a CPU for the main process, which takes every draw of every worker on its
+        # own; here the workers report in batches, and the main process mostly waits
+        available_cpus = mp.cpu_count()
         if chain_method == "parallel" and num_chains > available_cpus:
             warn_user(f"num_chains={num_chains} is more than available_cpu={available_cpus}. "
                       "Chains will be drawn sequentially.", UserWarning)  # Pyro's own warning

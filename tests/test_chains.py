@@ -450,6 +450,19 @@ def test_each_chains_first_state_is_the_checked_start():
         assert torch.equal(U, U_ref) and torch.equal(g, g_ref)
 
 
+def test_as_many_parallel_chains_as_cpus_run_in_worker_processes(monkeypatch):
+    """Pyro keeps a CPU for its main process, which takes every draw of every worker: 2
+    chains on 2 CPUs ran one after another. Ours mostly waits for the workers' batches."""
+    from pyro_hmc_plus.mcmc import _ParallelSampler, _SequentialSampler
+
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 2)
+    parallel = MCMC(NUTS(gauss2d), num_samples=10, num_chains=2, chain_method="parallel")
+    assert isinstance(parallel.sampler, _ParallelSampler)
+    with pytest.warns(UserWarning, match="num_chains=3 is more than available_cpu=2. Chains will be drawn sequentially"):
+        sequential = MCMC(NUTS(gauss2d), num_samples=10, num_chains=3, chain_method="parallel")
+    assert isinstance(sequential.sampler, _SequentialSampler)
+
+
 def test_sequential_and_parallel_are_pyros():
     pyro.set_rng_seed(0)
     sequential = run(NUTS(gauss2d), num_chains=2, num_samples=50, warmup_steps=50, chain_method="sequential")
