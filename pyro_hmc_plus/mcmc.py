@@ -544,7 +544,7 @@ class _ParallelSampler:
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers: this process stops them
         try:
             for worker in workers:
-                worker.start()
+                _start(worker, self.ctx.get_start_method())
             signal.signal(signal.SIGINT, on_interrupt)
             while running:
                 if interrupts:
@@ -585,6 +585,23 @@ class _ParallelSampler:
             for bar in bars:
                 bar.close()
         return bool(interrupts)
+
+
+def _start(worker, start_method: str):
+    """Start a worker process, with a clear error where what it runs does not pickle (the
+    ``"spawn"`` and ``"forkserver"`` start methods pickle it; ``"spawn"`` is the default on
+    macOS and Windows)."""
+    try:
+        worker.start()
+    except (AttributeError, TypeError, pickle.PicklingError) as e:
+        if start_method == "fork":
+            raise
+        raise ValueError(
+            f"chain_method='parallel' with the {start_method!r} start method sends the kernel, its model and the "
+            f"run's arguments to each worker process by pickling, and they do not pickle ({type(e).__name__}: {e}): "
+            "define the model at the top level of a module (not inside a function, nor as a lambda), or run the "
+            "chains in this process with chain_method='vectorized', which pickles nothing"
+        ) from e
 
 
 class _WorkerSettings(NamedTuple):

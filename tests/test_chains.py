@@ -614,6 +614,22 @@ def test_a_worker_process_that_dies_is_an_error_not_a_wait_for_ever(monkeypatch)
         mcmc.run()
 
 
+def test_a_model_that_does_not_pickle_for_spawned_workers_gets_a_clear_error(monkeypatch):
+    """The "spawn" start method (the default on macOS and Windows) pickles the kernel and
+    its model: a model defined inside a function failed with Python's bare "Can't pickle
+    local object"."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+
+    def local_model():
+        pyro.sample("q", dist.Normal(0.0, 1.0))
+
+    mcmc = MCMC(NUTS(local_model), num_samples=10, warmup_steps=10, num_chains=2, chain_method="parallel",
+                mp_context="spawn", disable_progbar=True)
+    with pytest.raises(ValueError, match=r"'spawn' start method .* do not pickle .*local_model.* top level of a "
+                                         r"module .* chain_method='vectorized'"):
+        mcmc.run()
+
+
 def test_a_chain_failing_in_its_worker_process_raises_its_error(monkeypatch, capfd):
     monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
     starts = {"q": torch.tensor([[0.0, 0.0], [float("nan"), 0.0]])}
