@@ -571,8 +571,8 @@ def test_ctrl_c_of_parallel_chains_keeps_the_draws_made_so_far():
     of full length, and sample statistics arrive at a chain's end). Now the workers end their
     chains after the transition they are in and send what they recorded: every chain keeps as
     many post-warmup draws as the one with fewest, the draws the same seed gives without the
-    interrupt, with their sample statistics and the warmup draws. In a process of its own, whose group the
-    signal goes to."""
+    interrupt, with their sample statistics and the warmup draws. In a process of its own,
+    whose group the signal goes to."""
     import json
     import subprocess
     import sys
