@@ -510,8 +510,9 @@ class _ParallelSampler:
         sorted order), :attr:`diagnostics` (the kernel's) and :attr:`transitions` (made,
         warmup included). Returns whether the run was interrupted.
 
-        At the first Ctrl-C the workers end their chains after the transition they are in and
-        send what they have, and this returns it; a second one abandons them
+        At the first Ctrl-C (or ``KeyboardInterrupt`` raised by ``hook_fn`` in a worker, as it
+        stops a run in this process) the workers end their chains after the transition they
+        are in and send what they have, and this returns it; a second one abandons them
         (``KeyboardInterrupt``). A worker that ends without its results (killed for lack of
         memory) is an error, where Pyro's loop waited for ever."""
         C, total = self.num_chains, self.warmup_steps + self.num_samples
@@ -560,6 +561,9 @@ class _ParallelSampler:
                         "of memory): run fewer chains at once, or chain_method='vectorized'"
                     ) from None
                 message = pickle.loads(payload)
+                if isinstance(message, KeyboardInterrupt):  # from a worker's hook_fn: as a Ctrl-C here
+                    interrupts.append(None)
+                    continue
                 if isinstance(message, BaseException):  # the worker has printed its traceback
                     raise message
                 if isinstance(message, dict):  # the saved sites' shapes, once the chain is set up
@@ -691,6 +695,9 @@ def _run_worker(settings: _WorkerSettings, results, stop, *args, **kwargs):
             else:
                 state["draws"].append(sample)
     except _StopChain:
+        report(kernel.diagnostics())
+    except KeyboardInterrupt:  # raised by the user's hook (Ctrl-C is ignored here): the run stops, as in one process
+        send(KeyboardInterrupt())
         report(kernel.diagnostics())
     except Exception as e:
         print(f"chain {settings.chain} failed in its worker process:", file=sys.stderr)

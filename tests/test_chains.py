@@ -596,6 +596,27 @@ def test_ctrl_c_of_parallel_chains_keeps_the_draws_made_so_far():
     assert "Traceback" not in out.stderr  # no worker's ConnectionResetError
 
 
+def test_a_hook_that_raises_keyboard_interrupt_in_a_worker_stops_the_run_keeping_the_draws(monkeypatch):
+    """``hook_fn`` raising ``KeyboardInterrupt`` stops a run in this process, keeping its
+    draws; in a worker process it ended the worker (a traceback, and an error for the lost
+    chain). Now it stops the run there too."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    all_there = torch.multiprocessing.Barrier(2)
+
+    def hook(kernel, params, stage, i):
+        if stage == "Sample" and i == 20:
+            all_there.wait()
+            if kernel._chain_of_run[0] == 1:
+                raise KeyboardInterrupt
+
+    mcmc = MCMC(NUTS(gauss2d), num_samples=300, warmup_steps=20, num_chains=2, chain_method="parallel",
+                hook_fn=hook, disable_progbar=True, warn_on_problems=False)
+    with pytest.warns(RuntimeWarning, match=r"sampling interrupted: draws per chain .* \(of 320, warmup 20\)"):
+        mcmc.run()
+    q = mcmc.get_samples(group_by_chain=True)["q"]
+    assert q.shape[0] == 2 and 20 <= q.shape[1] < 300
+
+
 def test_a_worker_process_that_dies_is_an_error_not_a_wait_for_ever(monkeypatch):
     """A worker process killed mid-run (here by itself; by the kernel's OOM killer in
     life) sends nothing more: Pyro's loop waited for its results for ever."""
