@@ -253,12 +253,7 @@ class MCMC(pyro.infer.MCMC):
             raise KeyboardInterrupt
         num_kept = min(len(d) for d in sampler.draws)
         if interrupted:
-            warn_user(
-                f"sampling interrupted: draws per chain {sampler.transitions} (of "
-                f"{self.warmup_steps + self.num_samples}, warmup {self.warmup_steps}); keeping the first {num_kept} "
-                "post-warmup draws of every chain",
-                RuntimeWarning,
-            )
+            _warn_of_an_interrupt(sampler.transitions, self.warmup_steps + self.num_samples, self.warmup_steps, num_kept)
         self._diagnostics = sampler.diagnostics
         if self.transforms is None:
             self._set_transforms(*args, **kwargs)
@@ -407,6 +402,16 @@ class MCMC(pyro.infer.MCMC):
         print(summary_table(self._samples, prob).to_string(float_format=lambda x: f"{x:.3f}"))
         if self._diagnostics and self._diagnostics[0] and "divergences" in self._diagnostics[0]:
             print(f"\nNumber of divergences: {sum(len(d['divergences']) for d in self._diagnostics)}")
+
+
+def _warn_of_an_interrupt(transitions: List[int], total: int, warmup: int, num_kept: int) -> None:
+    """The warning of a run of chains interrupted together (vectorized, or in worker
+    processes): each chain's ``transitions`` so far, and the post-warmup draws every chain keeps."""
+    warn_user(
+        f"sampling interrupted: draws per chain {list(transitions)} (of {total}, warmup {warmup}); keeping the "
+        f"first {num_kept} post-warmup draws of every chain",
+        RuntimeWarning,
+    )
 
 
 def _setup_bar(total: int, disable: bool, chain: Optional[int] = None) -> tqdm:
@@ -952,12 +957,7 @@ class _VectorizedRun:
                     self.chains = _unflatten(structure, iter(leaves))
                     self._describe(bar, counts, rows.divergences())
         except KeyboardInterrupt:
-            kept = [max(n - self.W, 0) for n in counts]
-            warn_user(
-                f"sampling interrupted: draws per chain {counts} (of {self.total}, warmup "
-                f"{self.W}); keeping the first {min(kept)} post-warmup draws of every chain",
-                RuntimeWarning,
-            )
+            _warn_of_an_interrupt(counts, self.total, self.W, min(max(n - self.W, 0) for n in counts))
         finally:
             self.chains = _unflatten(structure, iter(leaves))
             if not disable_progbar:
