@@ -20,6 +20,7 @@ interrupted.
 from __future__ import annotations
 
 import copy
+import io
 import numbers
 import pickle
 import queue
@@ -27,6 +28,7 @@ import signal
 import sys
 import time
 import traceback
+import types
 from typing import List, NamedTuple, Optional
 
 import pyro
@@ -70,7 +72,9 @@ class MCMC(pyro.infer.MCMC):
         ``initial_params`` (in Pyro's, every chain starts from the last chain's), its draws
         sent in batches (Pyro's workers send each on its own: ~1-2 ms a draw), keeping the
         draws at a Ctrl-C (Pyro's lost them). Other kernels only run
-        ``"sequential"``/``"parallel"``.
+        ``"sequential"``/``"parallel"`` (the default for them, which runs ``"sequential"``
+        where worker processes started by ``"spawn"`` could not find the model: one defined
+        in a notebook or a console; ``"parallel"`` asked for is an error there).
         Vectorized chains share the per-operation overhead of a small model; a model whose
         gradient is mostly arithmetic (thousands of dimensions or data points) gains
         nothing from that (4 NUTS chains with D=2,004: as fast as sequential ones), and
@@ -122,7 +126,7 @@ class MCMC(pyro.infer.MCMC):
         warn_on_problems: bool = True,
     ):
         ours = isinstance(kernel, HMC)
-        self._sequential_if_eager = chain_method is None  # the default, not the user's choice
+        self._default_chain_method = chain_method is None  # not the user's choice: may change at run time
         if chain_method is None:  # one chain: the kernel's own fused transitions beat one leaf per call
             chain_method = ("vectorized" if num_chains > 1 else "sequential") if ours else "parallel"
         if chain_method not in CHAIN_METHODS:
@@ -247,8 +251,21 @@ class MCMC(pyro.infer.MCMC):
         self._args, self._kwargs = args, kwargs
         args = [arg.detach() if torch.is_tensor(arg) else arg for arg in args]
         sampler = self.sampler
-        with pyro.validation_enabled(not self.disable_validation):
-            interrupted = sampler.collect(*args, **kwargs)
+        try:
+            with pyro.validation_enabled(not self.disable_validation):
+                interrupted = sampler.collect(*args, **kwargs)
+        except _DefinedInteractively as e:
+            if not self._default_chain_method:
+                raise
+            warn_user(f"{e}. The chain method was the default: the chains run one after another in this process "
+                      "instead (chain_method='sequential')", UserWarning)
+            self.chain_method = "sequential"
+            self.sampler = _SequentialSampler(
+                self.kernel, self.num_samples, self.warmup_steps, self.num_chains, self.disable_progbar,
+                initial_params=sampler.initial_params, hook=sampler.hook,
+            )
+            self._run_sequential(self._args, self._kwargs)
+            return
         if sampler.structure is None:  # interrupted before any chain was set up
             raise KeyboardInterrupt
         num_kept = min(len(d) for d in sampler.draws)
@@ -328,7 +345,7 @@ class MCMC(pyro.infer.MCMC):
         try:
             with validation:
                 run = _VectorizedRun(self.kernel, self.num_chains, self.warmup_steps, self.num_samples,
-                                     self.leaves_per_call, self._sequential_if_eager)
+                                     self.leaves_per_call, self._default_chain_method)
                 rows = run.sample(args, kwargs, initial, self._hook, self.disable_progbar)
         except _EagerGradient:
             warn_user(
@@ -521,6 +538,11 @@ class _ParallelSampler:
         (``KeyboardInterrupt``). A worker that ends without its results (killed for lack of
         memory) is an error, where Pyro's loop waited for ever."""
         C, total = self.num_chains, self.warmup_steps + self.num_samples
+        start_method = self.ctx.get_start_method()
+        if start_method != "fork":
+            interactive = _defined_interactively((self.kernel, self.hook, self.initial_params, args, kwargs))
+            if interactive:
+                raise _DefinedInteractively(interactive, start_method)
         self.structure, self.warmup, self.draws = None, [[] for _ in range(C)], [[] for _ in range(C)]
         self.diagnostics, self.transitions = [None] * C, [0] * C
         results, stop = self.ctx.Queue(), self.ctx.Event()
@@ -550,8 +572,9 @@ class _ParallelSampler:
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers: this process stops them
         try:
             for worker in workers:
-                _start(worker, self.ctx.get_start_method())
+                _start(worker, start_method)
             signal.signal(signal.SIGINT, on_interrupt)
+            heard = set()  # the chains whose worker has sent something
             while running:
                 if interrupts:
                     stop.set()
@@ -560,11 +583,9 @@ class _ParallelSampler:
                 except queue.Empty:
                     if any(w.is_alive() for w in workers) or not results.empty():
                         continue
-                    raise RuntimeError(
-                        f"the worker processes of chains {sorted(running)} ended without their chains' results "
-                        f"(exit codes {[workers[c].exitcode for c in sorted(running)]}; -9: killed, e.g. for lack "
-                        "of memory): run fewer chains at once, or chain_method='vectorized'"
-                    ) from None
+                    raise _died_error(sorted(running), [workers[c].exitcode for c in sorted(running)],
+                                      silent=not heard & running, start_method=start_method) from None
+                heard.add(chain)
                 message = pickle.loads(payload)
                 if isinstance(message, KeyboardInterrupt):  # from a worker's hook_fn: as a Ctrl-C here
                     interrupts.append(None)
@@ -611,6 +632,71 @@ def _start(worker, start_method: str):
             "define the model at the top level of a module (not inside a function, nor as a lambda), or run the "
             "chains in this process with chain_method='vectorized', which pickles nothing"
         ) from e
+
+
+class _DefinedInteractively(ValueError):
+    """Chains to run in worker processes that would not find what they run: functions or
+    classes defined in an interactive session (a notebook, a console, ``python -c``).
+
+    A worker started by ``"spawn"`` or ``"forkserver"`` (the default on macOS and Windows, and
+    on Linux from Python 3.14) unpickles the kernel, the model, ``hook_fn`` and the run's
+    arguments, finding each function and class by importing its module; the session's
+    ``__main__`` is not a module it can import (Pyro's workers die there with
+    ``AttributeError: Can't get attribute 'model' on <module '__main__'>`` on their stderr,
+    which a notebook does not show, and Pyro's run waits for them for ever)."""
+
+    def __init__(self, names: List[str], start_method: str):
+        super().__init__(
+            f"chain_method='parallel' runs each chain in a worker process started by {start_method!r}, which finds "
+            f"the model's functions and classes by importing their module, and {names} are defined in this "
+            "interactive session (a notebook, a console), which it cannot import: define them in a module (a .py "
+            "file) and import them from there, or run the chains in this process with chain_method='sequential' "
+            "(or 'vectorized', with this package's kernels)"
+        )
+
+
+def _defined_interactively(payload) -> List[str]:
+    """The names of the functions and classes of an interactive ``__main__`` (one with neither
+    a file nor a module name, which ``multiprocessing`` would import again in a worker) that
+    pickling ``payload`` refers to. Tensors are not pickled (their data refers to nothing);
+    what does not pickle at all is left to :func:`_start` to report."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", None) is not None or getattr(getattr(main, "__spec__", None), "name", None):
+        return []
+    found = []
+
+    class Finder(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, torch.Tensor):
+                return tuple, ()
+            if isinstance(obj, (types.FunctionType, type)) and obj.__module__ == "__main__":
+                found.append(obj.__qualname__)
+            return NotImplemented
+
+    try:
+        Finder(io.BytesIO(), pickle.HIGHEST_PROTOCOL).dump(payload)
+    except Exception:
+        pass
+    return sorted(set(found))
+
+
+def _died_error(chains: List[int], exit_codes: List[int], silent: bool, start_method: str) -> RuntimeError:
+    """The error of a run whose worker processes of ``chains`` ended without their results.
+    ``silent``: none of them sent anything, so (where they were not killed) they failed while
+    starting, before this package's code ran in them."""
+    ended = f"the worker processes of chains {chains} ended without their chains' results (exit codes {exit_codes}"
+    if silent and start_method != "fork" and all(code is not None and code > 0 for code in exit_codes):
+        return RuntimeError(
+            f"{ended}): they failed while starting, each with its traceback on stderr (from a notebook: in the "
+            f"terminal that runs it). A worker started by {start_method!r} runs the main script again as a module, "
+            "and finds there only what the script defines outside `if __name__ == '__main__':` (a model defined "
+            "under it is not found), and a script that starts the run outside that guard starts it again in every "
+            "worker. Define the model at the top level of the script and start the run under the guard, or run the "
+            "chains in this process with chain_method='sequential' (or 'vectorized', with this package's kernels)"
+        )
+    return RuntimeError(
+        f"{ended}; -9: killed, e.g. for lack of memory): run fewer chains at once, or chain_method='vectorized'"
+    )
 
 
 class _WorkerSettings(NamedTuple):

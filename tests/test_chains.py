@@ -5,6 +5,7 @@ against exact posteriors and against sequential chains (MCSE tolerances, fixed s
 import functools
 import inspect
 import re
+import sys
 import time
 import warnings
 
@@ -649,6 +650,66 @@ def test_a_model_that_does_not_pickle_for_spawned_workers_gets_a_clear_error(mon
     with pytest.raises(ValueError, match=r"'spawn' start method .* do not pickle .*local_model.* top level of a "
                                          r"module .* chain_method='vectorized'"):
         mcmc.run()
+
+
+def _a_notebook_model():
+    pyro.sample("q", dist.Normal(0.0, 1.0))
+
+
+@pytest.mark.parametrize("kernel", [NUTS, pyro.infer.NUTS])
+def test_parallel_chains_of_a_model_defined_in_a_notebook_need_workers_that_can_find_it(kernel, monkeypatch):
+    """A worker started by "spawn" (the default on macOS and Windows) finds the model by
+    importing its module, and a notebook's ``__main__`` is none: Pyro's workers died there
+    (their ``AttributeError`` on stderr, which a notebook does not show) and its run waited
+    for them for ever. Asked for, ``chain_method="parallel"`` is an error before any worker
+    starts; as the default (Pyro's kernels) the chains run one after another, drawing what
+    ``chain_method="sequential"`` draws with the same seed."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    notebook = type(sys)("__main__")  # an interactive session's: no file, no module name
+    monkeypatch.setitem(sys.modules, "__main__", notebook)
+    monkeypatch.setattr(_a_notebook_model, "__module__", "__main__")
+    monkeypatch.setattr(notebook, "_a_notebook_model", _a_notebook_model, raising=False)
+    settings = dict(num_samples=20, warmup_steps=10, num_chains=2, mp_context="spawn", disable_progbar=True,
+                    warn_on_problems=False)
+    asked = MCMC(kernel(_a_notebook_model), chain_method="parallel", **settings)
+    with pytest.raises(ValueError, match=r"started by 'spawn', .* \['_a_notebook_model'\] are defined in this "
+                                         r"interactive session .* define them in a module .* chain_method='sequential'"):
+        asked.run()
+    if kernel is NUTS:  # this package's kernels run vectorized chains by default: no worker
+        return
+    pyro.set_rng_seed(0)
+    by_default = MCMC(kernel(_a_notebook_model), **settings)
+    with pytest.warns(UserWarning, match=r"defined in this interactive session .* the chains run one after another "
+                                         r"in this process instead \(chain_method='sequential'\)"):
+        by_default.run()
+    pyro.set_rng_seed(0)
+    sequential = MCMC(kernel(_a_notebook_model), chain_method="sequential", **settings)
+    sequential.run()
+    assert by_default.chain_method == "sequential"
+    assert torch.equal(by_default.get_samples(group_by_chain=True)["q"], sequential.get_samples(group_by_chain=True)["q"])
+
+
+def test_workers_that_fail_while_starting_are_an_error_that_says_where_to_look(monkeypatch, capfd):
+    """A worker started by "spawn" that cannot find what it runs (here a module this process
+    made up; in life a model defined under ``if __name__ == "__main__":``, which the worker's
+    run of the script skips) dies before this package's code runs in it: the error says so,
+    not that it ran out of memory."""
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    made_up = type(sys)("a_module_only_this_process_has")
+    monkeypatch.setitem(sys.modules, made_up.__name__, made_up)
+
+    def model():
+        pyro.sample("q", dist.Normal(0.0, 1.0))
+
+    model.__module__, model.__qualname__ = made_up.__name__, "model"
+    made_up.model = model
+    mcmc = MCMC(NUTS(model), num_samples=10, warmup_steps=10, num_chains=2, chain_method="parallel",
+                mp_context="spawn", disable_progbar=True)
+    with pytest.raises(RuntimeError, match=r"chains \[0, 1\] ended without .*exit codes \[1, 1\]\): they failed "
+                                           r"while starting, each with its traceback on stderr .* outside `if __name__ "
+                                           r"== '__main__':`"):
+        mcmc.run()
+    assert "No module named 'a_module_only_this_process_has'" in capfd.readouterr().err
 
 
 def test_a_chain_failing_in_its_worker_process_raises_its_error(monkeypatch, capfd):
