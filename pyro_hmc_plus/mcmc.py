@@ -26,6 +26,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 import types
@@ -569,11 +570,11 @@ class _ParallelSampler:
                 raise KeyboardInterrupt
             interrupts.append(signum)
 
-        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the workers: this process stops them
+        handler = _set_sigint(signal.SIG_IGN)  # inherited by the workers: this process stops them
         try:
             for worker in workers:
                 _start(worker, start_method)
-            signal.signal(signal.SIGINT, on_interrupt)
+            _set_sigint(on_interrupt)
             heard = set()  # the chains whose worker has sent something
             while running:
                 if interrupts:
@@ -608,13 +609,23 @@ class _ParallelSampler:
                     self.diagnostics[chain] = message.diagnostics
                     running.discard(chain)
         finally:
-            signal.signal(signal.SIGINT, handler)
+            _set_sigint(handler)
             for worker in workers:
                 if worker.is_alive():
                     worker.terminate()
             for bar in bars:
                 bar.close()
         return bool(interrupts)
+
+
+def _set_sigint(handler):
+    """Set the SIGINT handler (Ctrl-C) and return the one it replaces, in the main thread.
+    Python runs signal handlers in its main thread only, and refuses to set them in another
+    (a ``ValueError``; Pyro's worker processes fail so from a web app's or a GUI's worker
+    thread): there, where no Ctrl-C reaches the run, this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, handler)
 
 
 def _start(worker, start_method: str):

@@ -652,6 +652,30 @@ def test_a_model_that_does_not_pickle_for_spawned_workers_gets_a_clear_error(mon
         mcmc.run()
 
 
+def test_parallel_chains_run_from_a_thread_other_than_the_main_one(monkeypatch):
+    """A web app or a GUI runs its work in threads, where Python refuses to set a signal
+    handler: Pyro's worker processes failed there (``ValueError: signal only works in main
+    thread``), before any chain ran."""
+    import threading
+
+    monkeypatch.setattr(torch.multiprocessing, "cpu_count", lambda: 8)
+    mcmc = MCMC(NUTS(gauss2d), num_samples=20, warmup_steps=10, num_chains=2, chain_method="parallel",
+                disable_progbar=True, warn_on_problems=False)
+    failures = []
+
+    def run_it():
+        try:
+            mcmc.run()
+        except Exception as e:
+            failures.append(e)
+
+    thread = threading.Thread(target=run_it)
+    thread.start()
+    thread.join()
+    assert not failures
+    assert mcmc.get_samples(group_by_chain=True)["q"].shape == (2, 20, 2)
+
+
 def _a_notebook_model():
     pyro.sample("q", dist.Normal(0.0, 1.0))
 
