@@ -151,15 +151,18 @@ def _args_key(args, kwargs):
     ``MCMC.run`` passes a fresh ``detach()`` of each tensor to every run, and a second run on
     the same data reuses the engine. Any other argument (a sparse tensor, which has no one
     address) is keyed by identity and in-place version. The engine keeps the arguments
-    alive (``_args_ref``), so no other data can take their place."""
+    alive (``_args_ref``), so no other data can take their place. A tensor made under
+    ``torch.inference_mode()`` keeps no version (reading it is an error), and inside that
+    mode it can be written in place: its key equals no other, so each run builds afresh."""
     items = list(args) + sorted(kwargs.items(), key=lambda kv: kv[0])
     key = []
     for a in items:
         v = a[1] if isinstance(a, tuple) and len(a) == 2 and isinstance(a[0], str) else a
+        version = (object() if v.is_inference() else v._version) if torch.is_tensor(v) else None
         if torch.is_tensor(v) and v.layout == torch.strided:
-            key.append((v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device, v._version))
+            key.append((v.data_ptr(), tuple(v.shape), v.stride(), v.dtype, v.device, version))
         else:
-            key.append((id(v), v._version if torch.is_tensor(v) else None))
+            key.append((id(v), version))
     return (tuple(key), torch.get_default_dtype())
 
 

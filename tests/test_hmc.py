@@ -103,6 +103,28 @@ def test_runs_inside_no_grad_and_inference_mode(mode, runner):
     assert_variance(mu, var)
 
 
+@pytest.mark.parametrize("runner", ["pyro.infer.MCMC", "sequential"])
+def test_data_made_in_inference_mode_and_written_there_between_runs(runner):
+    """Data made inside ``torch.inference_mode()`` (loaded and preprocessed there) keep no
+    in-place version, which the kernels read to reuse their programs while the data stay the
+    same: the run stopped with torch's "Inference tensors do not track version counter". And
+    inside that mode the data can be written in place between two runs, which the second
+    must see."""
+    with torch.inference_mode():
+        x = torch.randn(20) + 3.0
+        kernel = NUTS(normal_normal)
+        if runner == "pyro.infer.MCMC":
+            mcmc = MCMC(kernel, num_samples=600, warmup_steps=300, disable_progbar=True)
+        else:
+            mcmc = pyro_hmc_plus.MCMC(kernel, num_samples=300, warmup_steps=300, num_chains=2,
+                                      chain_method=runner, disable_progbar=True)
+        for shift in (0.0, -6.0):
+            x += shift
+            mcmc.run(x)
+            mean, var = normal_normal_posterior(x)
+            assert_mean(mcmc.get_samples()["mu"].numpy(), mean)
+
+
 def _sum_with_unknown_noise():
     x = pyro.sample("x", dist.Normal(torch.zeros(2), 1.0).to_event(1))
     noise = pyro.sample("noise", dist.HalfNormal(1.0))
