@@ -196,10 +196,12 @@ class MCMC(pyro.infer.MCMC):
                 initial_params=initial_params, hook=hook_fn,
             )
         else:
-            self.sampler = _SequentialSampler(
-                kernel, num_samples, self.warmup_steps, num_chains, disable_progbar,
-                initial_params=initial_params, hook=hook_fn,
-            )
+            self.sampler = self._sequential_sampler()
+
+    def _sequential_sampler(self) -> "_SequentialSampler":
+        """The chains one after another in this process, with this ``MCMC``'s settings."""
+        return _SequentialSampler(self.kernel, self.num_samples, self.warmup_steps, self.num_chains,
+                                  self.disable_progbar, initial_params=self._initial_params, hook=self._hook)
 
     @poutine.block
     @with_autograd
@@ -261,10 +263,7 @@ class MCMC(pyro.infer.MCMC):
             warn_user(f"{e}. The chain method was the default: the chains run one after another in this process "
                       "instead (chain_method='sequential')", UserWarning)
             self.chain_method = "sequential"
-            self.sampler = _SequentialSampler(
-                self.kernel, self.num_samples, self.warmup_steps, self.num_chains, self.disable_progbar,
-                initial_params=sampler.initial_params, hook=sampler.hook,
-            )
+            self.sampler = self._sequential_sampler()
             self._run_sequential(self._args, self._kwargs)
             return
         if sampler.structure is None:  # interrupted before any chain was set up
