@@ -13,7 +13,8 @@ different ages (standardised), half of them treated. An answer is the bin of a l
 **The cut points' prior.** A prior on the cut points themselves is hard to choose: they
 live on the logit scale, and must stay ordered. Two common choices misbehave. An
 improper flat prior (``ImproperUniform(constraints.ordered_vector, ...)``) cannot be drawn
-from, and Pyro's kernels draw from the prior to set up (``NotImplementedError``). A normal
+from: no prior predictive check, and Pyro's own kernels, which draw from the prior to set
+up, stop on it (``NotImplementedError``; ours start such a site at random values). A normal
 prior on the ordered transform's unconstrained increments, ``TransformedDistribution(
 Normal(0, 5).expand([4]).to_event(1), OrderedTransform())``, is wide in a way nobody meant:
 an increment ``exp(x)`` with ``x ~ Normal(0, 5)`` spans 9 orders of magnitude in 95% of the

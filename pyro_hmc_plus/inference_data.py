@@ -33,7 +33,7 @@ from pyro.infer import config_enumerate
 from pyro.infer.autoguide.initialization import InitMessenger, init_to_sample, init_to_uniform, init_to_value
 from pyro.poutine.util import site_is_subsample
 
-from .potential import element_name, is_factor, listing, model_trace, unwrapped_distribution
+from .potential import element_name, is_factor, listing, model_trace, plate_nesting, unwrapped_distribution
 from ._warn import warn_user
 
 ARVIZ_DIMS = ("chain", "draw")  # the dimensions ArviZ gives every draw
@@ -311,7 +311,7 @@ def to_inference_data(
         if marginalised:
             # the draws lack the discrete sites' values (:func:`_enumeration_plan`); the model is
             # enumerated as the kernel ran it, left of the plates it was given (or has)
-            nesting = max(_plate_nesting(trace), getattr(mcmc.kernel, "_max_plate_nesting", None) or 0)
+            nesting = max(plate_nesting(trace), getattr(mcmc.kernel, "_max_plate_nesting", None) or 0)
             enumerated = functools.partial(_enumerated_trace, raw_model, args, kwargs, trace, nesting)
             summed_out, kept = (_enumeration_plan(enumerated, first_draw, replayed, shapes)
                                 if replayed or shapes else ({}, []))
@@ -449,12 +449,6 @@ def _warn_if_observed_data(replicated: Dict[str, np.ndarray], observed: Dict[str
         )
 
 
-def _plate_nesting(trace) -> int:
-    """How many plate dimensions the model's sites have at most (its ``max_plate_nesting``)."""
-    return max((-frame.dim for site in trace.nodes.values() if site["type"] == "sample"
-                for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
-
-
 def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace,
                        nesting: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """Each site's draws ``(draws, *value shape)`` with a 1 inserted after the draws for
@@ -463,7 +457,7 @@ def _shaped_for_plates(samples: Dict[str, torch.Tensor], trace,
     pads by the number of dimensions of a value, taking them all as batch dimensions: a
     latent vector (``to_event(1)``) would land its draws in a plate's dimension. ``nesting``:
     the plate dimensions to leave room for, the model's own by default."""
-    nesting = _plate_nesting(trace) if nesting is None else nesting
+    nesting = plate_nesting(trace) if nesting is None else nesting
     shaped = {}
     for name, value in samples.items():
         site = trace.nodes.get(name)

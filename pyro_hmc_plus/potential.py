@@ -242,12 +242,26 @@ def from_model(
                 "those sites a transform (`transforms={name: transform}`), or sample a "
                 "parametrisation that has one" + (": " + "; ".join(remedies) if remedies else "") + "."
             ) from e
+        if max_plate_nesting is None:
+            # Pyro guesses the plates from a run of the model at a draw from the prior, which a
+            # flat prior (``ImproperUniform``) cannot give: a run with the continuous sites at the
+            # init strategy's values (and the discrete ones, which Pyro enumerates, drawn) can
+            def init_or_discrete_draw(site):
+                return site["fn"].sample().detach() if site["fn"].support.is_discrete else init_strategy(site)
+
+            try:
+                nesting = plate_nesting(_trace_at_init(model, model_args, model_kwargs or {}, init_or_discrete_draw))
+            except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
+                nesting = None
+            if nesting is not None:
+                return from_model(model, model_args, model_kwargs, transforms=user_transforms,
+                                  max_plate_nesting=nesting, init_strategy=user_init_strategy,
+                                  initial_params=initial_params, num_chains=num_chains)
         raise NotImplementedError(
             f"{str(e).rstrip('.')}. HMC and NUTS need a model without subsampling "
             "(`subsample_size`), with discrete latent sites only where Pyro can enumerate them "
             "(finite support; else marginalise them out), and a starting value for every latent "
-            "site: a prior that cannot be sampled (e.g. ImproperUniform) needs "
-            "`init_strategy=init_to_value(values={...})` and an explicit `max_plate_nesting`."
+            "site (`init_strategy`)."
         ) from e
     except (AttributeError, TypeError, RuntimeError, ValueError, ZeroDivisionError) as e:
         explained = _explained(e, model, model_args, model_kwargs or {}, init_strategy)
@@ -386,6 +400,15 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "To record a value computed from other sites, write `pyro.deterministic(name, value)`; for a "
             "known value, give the site `obs=value`"
         )
+    unused = _latent_sites_the_density_ignores(model, model_args, model_kwargs, init_strategy) \
+        if "does not require grad" in message or "not have been used in the graph" in message else []
+    if unused:
+        return ValueError(
+            f"the model's log density does not depend on the latent sites {unused}: their own densities are "
+            "constant (a flat `ImproperUniform` prior, or masked out) and no other site uses their values, so the "
+            "posterior is improper along them (it does not integrate to 1), and HMC and NUTS have no gradient to "
+            "follow (autograd's error above). Give them a proper prior, or leave them out of the model"
+        )
     if "valid initial" in message:  # Pyro's "cannot find valid initial params"
         culprits = sites_with_a_non_finite_log_density(model, model_args, model_kwargs, init_strategy)
         return type(e)(
@@ -483,21 +506,16 @@ def _checked_init(init_strategy: Callable, transforms: Dict[str, Transform]) -> 
     or a NaN) otherwise fails later as whatever the model's next line makes of it ("normal
     expects all elements of std >= 0.0"), without the site's name.
 
-    A site with a transform in ``transforms`` (to unconstrained space) whose support torch
-    has no transform for (a ``MixtureSameFamily``'s), where Pyro's strategies ask torch for
-    one (``init_to_uniform``, ``init_to_feasible``), starts as ``init_to_uniform`` would
-    start it with the given transform: uniformly in (-2, 2) of its unconstrained space."""
+    Where Pyro's strategies cannot start a site (see :func:`_uniform_start`), it starts as
+    ``init_to_uniform`` would: uniformly in (-2, 2) of its unconstrained space."""
 
     def checked(site):
         try:
             value = init_strategy(site)
         except NotImplementedError:
-            if site["name"] not in transforms:
+            value = _uniform_start(site, transforms.get(site["name"]))
+            if value is None:
                 raise
-            to_unconstrained = transforms[site["name"]]
-            unconstrained = to_unconstrained(site["fn"].sample().detach())
-            value = to_unconstrained.inv(torch.rand_like(unconstrained) * 4.0 - 2.0)
-            value._pyro_custom_init = False  # as Pyro's strategies mark theirs, for poutine.reparam
         if not isinstance(value, torch.Tensor):
             return value  # Pyro's own checks say what is wrong with it
         try:
@@ -524,6 +542,27 @@ def _checked_init(init_strategy: Callable, transforms: Dict[str, Transform]) -> 
         return value
 
     return checked
+
+
+def _uniform_start(site, to_unconstrained: Optional[Transform] = None) -> Optional[torch.Tensor]:
+    """``init_to_uniform``'s start, uniform in (-2, 2) of the site's unconstrained space, for
+    the sites where Pyro's strategies fail (``NotImplementedError``): a support torch has no
+    transform for but ``to_unconstrained`` maps (a ``MixtureSameFamily``'s, given its
+    components' transform), or a prior that cannot be sampled (``ImproperUniform``, the flat
+    prior of a Stan model, which NumPyro starts this way): shaped by the distribution, not
+    by a draw. ``None`` where the site has no transform either."""
+    fn = site["fn"]
+    try:
+        to_unconstrained = to_unconstrained or biject_to(fn.support).inv
+    except NotImplementedError:
+        return None
+    try:
+        unconstrained = to_unconstrained(fn.sample().detach())
+    except NotImplementedError:
+        unconstrained = torch.empty(to_unconstrained.forward_shape(fn.shape()))
+    value = to_unconstrained.inv(torch.rand_like(unconstrained) * 4.0 - 2.0)
+    value._pyro_custom_init = False  # as Pyro's strategies mark theirs, for poutine.reparam
+    return value
 
 
 def model_trace(model, args, kwargs):
@@ -631,6 +670,25 @@ def _continuous_latent_sites_of(trace) -> dict:
     }
 
 
+def _latent_sites_the_density_ignores(model, model_args, model_kwargs, init_strategy) -> List[str]:
+    """The continuous latent sites on whose values the model's log density does not depend
+    at the init strategy's values (autograd finds no path from them to it): a flat
+    ``ImproperUniform`` prior on the real line that no other site uses, whose log density is
+    a constant 0. Empty where one run of the model fails."""
+    try:
+        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
+        values = {name: site["value"].detach().requires_grad_() for name, site in latent.items()}
+        with pyro.poutine.block(), torch.enable_grad():
+            trace = pyro.poutine.trace(pyro.poutine.condition(model, values)).get_trace(*model_args, **model_kwargs)
+            log_density = trace.log_prob_sum()
+            if not log_density.requires_grad:
+                return sorted(values)
+            grads = torch.autograd.grad(log_density, list(values.values()), allow_unused=True)
+    except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
+        return []
+    return [name for name, g in zip(values, grads) if g is None]
+
+
 def _latent_point_masses(trace) -> List[str]:
     """The latent sites of ``trace`` whose distribution is a ``Delta`` (a value written as a
     sample site without ``obs``, where ``pyro.deterministic`` was meant): Pyro's kernels stop
@@ -643,6 +701,12 @@ def _trace_at_init(model, model_args, model_kwargs, init_strategy):
     """One run of ``model`` with its latent sites at the init strategy's values (for
     ``None``, ``init_to_uniform``: the default of Pyro's HMC and NUTS)."""
     return model_trace(InitMessenger(init_strategy or init_to_uniform)(model), model_args, model_kwargs)
+
+
+def plate_nesting(trace) -> int:
+    """How many plate dimensions the model's sites have at most (its ``max_plate_nesting``)."""
+    return max((-frame.dim for site in trace.nodes.values() if site["type"] == "sample"
+                for frame in site["cond_indep_stack"] if frame.vectorized and frame.dim is not None), default=0)
 
 
 def _check_initial_shapes(initial_params, transforms, prototype_trace) -> None:

@@ -504,6 +504,30 @@ def test_constrained_sites():
     assert_mean(p, alpha / alpha.sum())
 
 
+def test_flat_priors_sample_their_posterior():
+    """``ImproperUniform`` priors (Pyro's own NUTS stops on them: it cannot draw from them to
+    start), the kernel swapped in ``pyro.infer.MCMC`` with no other change: a flat prior on
+    a normal mean gives N(mean of y, 1/n); a flat prior on a positive site times a
+    ``Gamma(3, 2)`` factor gives that Gamma."""
+    y = torch.tensor([0.3, -1.2, 0.8, 2.1, 0.4])
+
+    def flat_priors(y):
+        mu = pyro.sample("mu", dist.ImproperUniform(dist.constraints.real, (), ()))
+        rate = pyro.sample("rate", dist.ImproperUniform(dist.constraints.positive, (), ()))
+        pyro.factor("rate_density", dist.Gamma(3.0, 2.0).log_prob(rate))
+        with pyro.plate("n", len(y)):
+            pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    samples = run(NUTS(flat_priors), 1000, 300, y).get_samples()
+    mu, rate = samples["mu"].numpy(), samples["rate"].numpy()
+    assert_mean(mu, float(y.mean()))
+    assert_variance(mu, 1.0 / len(y))
+    assert (rate > 0).all()
+    assert_mean(rate, 1.5)
+    assert_variance(rate, 0.75)
+
+
 def test_the_truth_ranks_uniformly_among_the_draws():
     """Simulation-based calibration (Talts et al. 2018) of 4 chains of the default
     ``pyro_hmc_plus.MCMC`` (vectorized, each adapting its own step size and metric): 200

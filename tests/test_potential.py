@@ -297,10 +297,6 @@ def _subsampled(y):
         pyro.sample("y", dist.Normal(m, 1.0), obs=y[i])
 
 
-def _improper_prior():
-    pyro.sample("c", dist.ImproperUniform(dist.constraints.ordered_vector, (), (2,)))
-
-
 def _wishart_covariance(y):
     cov = pyro.sample("S", dist.Wishart(df=torch.tensor(4.0), covariance_matrix=torch.eye(2)))
     pyro.sample("y", dist.MultivariateNormal(torch.zeros(2), covariance_matrix=cov), obs=y)
@@ -317,19 +313,66 @@ def _mixture_of_intervals():
 
 @pytest.mark.parametrize("model, args, what", [
     (_subsampled, (torch.zeros(5),), "subsampling"),
-    (_improper_prior, (), "init_to_value"),
     (_wishart_covariance, (torch.ones(2),), r"Cannot transform .*\{'S': 'PositiveDefinite'\}.*LKJCholesky"),
     (_direction, (), r"Cannot transform .*\{'u': 'Sphere'\}.*ProjectedNormal` direction \(u\).*ProjectedNormalReparam"),
     (_mixture_of_intervals, (), r"(?s)Cannot transform .*\{'u': 'MixtureSameFamilyConstraint'\}.*Give those sites a transform"),
 ])
 def test_models_hmc_cannot_set_up_get_an_error_that_names_the_remedy(model, args, what):
-    """Pyro refuses all five (subsampling; a prior it cannot sample for a starting value;
-    supports without a bijection, whose site Pyro's error does not name, among them a
+    """Pyro refuses all four (subsampling; supports without a bijection, whose site Pyro's
+    error does not name, among them a
     mixture whose components differ in their supports, which the default starting values
     cannot reach either); the error keeps Pyro's message and says what to change, for each
     support the change that fits it."""
     with pytest.raises(NotImplementedError, match=what):
         from_model(model, args)
+
+
+def test_flat_priors_start_inside_their_supports_without_an_init_strategy():
+    """``ImproperUniform`` (a flat prior, as a Stan model's unbounded parameter has) cannot be
+    sampled, and Pyro's kernels need a prior draw for its starting value and for guessing
+    the plates: they stop with "ImproperUniform does not support sampling" whatever
+    ``init_strategy`` says. Here each site starts as ``init_to_uniform`` would start it
+    (uniformly in (-2, 2) of its unconstrained space, as NumPyro does), and the plates are
+    read from a run of the model at those values (a draw of the discrete sites, which are
+    then summed out)."""
+
+    def flat_priors(y):
+        c = pyro.sample("c", dist.ImproperUniform(dist.constraints.ordered_vector, (), (2,)))
+        with pyro.plate("groups", 3):
+            mu = pyro.sample("mu", dist.ImproperUniform(dist.constraints.real, (), ()))
+            with pyro.plate("n", len(y), dim=-2):
+                shifted = pyro.sample("shifted", dist.Bernoulli(0.5), infer={"enumerate": "parallel"})
+                pyro.sample("y", dist.Normal(mu + c.sum(-1, keepdim=True) + shifted, 1.0), obs=y)
+
+    pyro.set_rng_seed(0)
+    potential = from_model(flat_priors, (torch.zeros(4, 3),), num_chains=2)
+    assert potential.layout.dim == 5
+    assert potential.initial_zs.shape == (2, 5)
+    assert bool(((potential.initial_zs > -2) & (potential.initial_zs < 2)).all())
+    assert potential.initial_zs[0].tolist() != potential.initial_zs[1].tolist()
+    assert bool(torch.isfinite(potential.potential(potential.initial_zs[0])))
+
+
+def _flat_prior_no_site_uses(y):
+    pyro.sample("unused", dist.ImproperUniform(dist.constraints.real, (), (2,)))
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def _masked_out(y):
+    mu = pyro.sample("mu", dist.Normal(0.0, 1.0))
+    with poutine.mask(mask=False):
+        pyro.sample("unused", dist.Normal(0.0, 1.0))
+    pyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+@pytest.mark.parametrize("model", [_flat_prior_no_site_uses, _masked_out])
+def test_latent_sites_the_density_does_not_depend_on_are_named(model):
+    """A site whose log density is a constant and whose value no other site uses leaves the
+    posterior improper along it, and autograd finds no gradient for it: Pyro stops with
+    "appears to not have been used in the graph", which names no site."""
+    with pytest.raises(ValueError, match=r"does not depend on the latent sites \['unused'\].*improper"):
+        from_model(model, (torch.tensor(0.5),))
 
 
 def test_the_remedy_the_error_gives_for_a_direction_sets_up():

@@ -1625,9 +1625,8 @@ def test_a_constant_written_in_place_is_fresh_at_every_call():
 
 def test_ordered_logistic_regression_is_traced_and_matches_pyro():
     """Pyro's ``OrderedLogistic`` fills its probabilities in place; with ordered cutpoints
-    (``ImproperUniform(ordered_vector)``, which needs ``init_to_value`` and
-    ``max_plate_nesting``: it cannot be sampled) the model is traced (it fell back to eager
-    autograd) and agrees with Pyro's potential at random points."""
+    (``ImproperUniform(ordered_vector)``, started at given values) the model is traced (it
+    fell back to eager autograd) and agrees with Pyro's potential at random points."""
     from pyro.distributions import constraints
     from pyro.infer.autoguide import init_to_value
 
