@@ -206,7 +206,9 @@ def from_model(
     ``MixtureSameFamily`` site, where Pyro's kernels stop, gets its components'), enumerates
     discrete sites where it can, runs the init strategy (retrying until the potential is
     finite; once per chain) and defines ``U``; we only flatten. ``initial_zs`` holds each
-    chain's starting point.
+    chain's starting point. A flat prior (``ImproperUniform``), where Pyro's kernels stop,
+    starts as ``init_to_uniform`` starts any site, and the plates are read from a run of the
+    model at the starting values where Pyro's guess (from a prior draw) fails.
     """
     user_transforms, user_init_strategy = transforms, init_strategy
     init_strategy = _checked_init(init_strategy or init_to_uniform, transforms or {})
