@@ -211,6 +211,13 @@ def from_model(
     model at the starting values where Pyro's guess (from a prior draw) fails.
     """
     user_transforms, user_init_strategy = transforms, init_strategy
+
+    def again(**changed):
+        """``from_model`` of the same model and settings but ``changed`` (a retry)."""
+        settings = dict(transforms=user_transforms, max_plate_nesting=max_plate_nesting,
+                        init_strategy=user_init_strategy, initial_params=initial_params, num_chains=num_chains)
+        return from_model(model, model_args, model_kwargs, **{**settings, **changed})
+
     init_strategy = _checked_init(init_strategy or init_to_uniform, transforms or {})
     data_versions = _data_versions(model_args, model_kwargs or {})
     try:
@@ -231,9 +238,7 @@ def from_model(
                                                      user_transforms)
         mixtures = _mixture_transforms(untransformable)
         if mixtures:
-            return from_model(model, model_args, model_kwargs, transforms={**(user_transforms or {}), **mixtures},
-                              max_plate_nesting=max_plate_nesting, init_strategy=user_init_strategy,
-                              initial_params=initial_params, num_chains=num_chains)
+            return again(transforms={**(user_transforms or {}), **mixtures})
         if untransformable:
             untransformable = {name: _support_name(site) for name, site in untransformable.items()}
             remedies = [remedy.format(names=", ".join(sorted(n for n, s in untransformable.items() if s == support)))
@@ -256,9 +261,7 @@ def from_model(
             except Exception:  # noqa: BLE001 - Pyro's own error says more than a second failure would
                 nesting = None
             if nesting is not None:
-                return from_model(model, model_args, model_kwargs, transforms=user_transforms,
-                                  max_plate_nesting=nesting, init_strategy=user_init_strategy,
-                                  initial_params=initial_params, num_chains=num_chains)
+                return again(max_plate_nesting=nesting)
         raise NotImplementedError(
             f"{str(e).rstrip('.')}. HMC and NUTS need a model without subsampling "
             "(`subsample_size`), with discrete latent sites only where Pyro can enumerate them "
@@ -402,8 +405,9 @@ def _explained(e: Exception, model, model_args, model_kwargs, init_strategy) -> 
             "To record a value computed from other sites, write `pyro.deterministic(name, value)`; for a "
             "known value, give the site `obs=value`"
         )
-    unused = _latent_sites_the_density_ignores(model, model_args, model_kwargs, init_strategy) \
-        if "does not require grad" in message or "not have been used in the graph" in message else []
+    unused = _latent_sites_the_density_ignores(model, model_args, model_kwargs, trace) \
+        if trace is not None and ("does not require grad" in message or "not have been used in the graph" in message) \
+        else []
     if unused:
         return ValueError(
             f"the model's log density does not depend on the latent sites {unused}: their own densities are "
@@ -672,14 +676,14 @@ def _continuous_latent_sites_of(trace) -> dict:
     }
 
 
-def _latent_sites_the_density_ignores(model, model_args, model_kwargs, init_strategy) -> List[str]:
+def _latent_sites_the_density_ignores(model, model_args, model_kwargs, trace_at_init) -> List[str]:
     """The continuous latent sites on whose values the model's log density does not depend
-    at the init strategy's values (autograd finds no path from them to it): a flat
+    at their values in ``trace_at_init`` (autograd finds no path from them to it): a flat
     ``ImproperUniform`` prior on the real line that no other site uses, whose log density is
-    a constant 0. Empty where one run of the model fails."""
+    a constant 0. Empty where the model fails at those values."""
+    values = {name: site["value"].detach().requires_grad_()
+              for name, site in _continuous_latent_sites_of(trace_at_init).items()}
     try:
-        latent = _continuous_latent_sites(model, model_args, model_kwargs, init_strategy)
-        values = {name: site["value"].detach().requires_grad_() for name, site in latent.items()}
         with pyro.poutine.block(), torch.enable_grad():
             trace = pyro.poutine.trace(pyro.poutine.condition(model, values)).get_trace(*model_args, **model_kwargs)
             log_density = trace.log_prob_sum()
