@@ -942,13 +942,19 @@ def test_a_dense_metric_with_fewer_warmup_draws_than_dimensions_is_warned_of_bef
     """150 warmup steps estimate the mass matrix from a last window of 25 draws: singular for
     31 coordinates (with 100 dimensions and 100 draws, NUTS took 412 steps a draw against 24
     with 200 draws). 200 steps give 50 draws; a diagonal block, or no adaptation of the mass
-    matrix, needs none. The warning names the warmup that gives twice the dimension."""
+    matrix, needs none. The warning names the warmup that gives twice the dimension. Each run
+    stops at its first draw (``hook_fn`` raises ``KeyboardInterrupt``, as a Ctrl-C): what is
+    warned of before the run is there by then."""
+
+    def stop_the_run(*_):
+        raise KeyboardInterrupt
 
     def warnings_of(warmup_steps, **kernel_args):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             MCMC(NUTS(_thirty_one_coordinates, **kernel_args), 5, warmup_steps, num_chains=2, disable_progbar=True,
-                 chain_method=chain_method, warn_on_problems=False).run()
+                 chain_method=chain_method, warn_on_problems=False, hook_fn=stop_the_run).run()
+        assert any("sampling interrupted" in str(w.message) for w in caught)
         return [str(w.message) for w in caught if issubclass(w.category, SamplingWarning)]
 
     (message, *_) = warnings_of(150, full_mass=True)

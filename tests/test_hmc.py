@@ -143,7 +143,7 @@ def test_anomaly_detection_around_the_run_changes_no_draw(engine, chain_method):
 
     def draws():
         pyro.set_rng_seed(0)
-        mcmc = pyro_hmc_plus.MCMC(NUTS(_sum_with_unknown_noise, engine=engine), num_samples=100, warmup_steps=100,
+        mcmc = pyro_hmc_plus.MCMC(NUTS(_sum_with_unknown_noise, engine=engine), num_samples=40, warmup_steps=40,
                                   num_chains=2, chain_method=chain_method, disable_progbar=True)
         mcmc.run()
         return mcmc.get_samples()
