@@ -30,6 +30,10 @@ _FUSED_DOUBLINGS = 3  # most doublings of a NUTS transition's start fused into o
 # 285k-element logistic regression's ~25 µs more on one CPU thread): the fused start's
 # leapfrog steps wasted where a tree stops early cost less than the bookkeeping it saves.
 _CHEAP_GRADIENT_ELEMENTS = 100_000
+# What replaces Pyro's ``kernel.mass_matrix_adapter`` (HMC.mass_matrix_adapter)
+_METRIC_INSTEAD = ("full_mass= sets the metric's structure (False, True, or dense blocks of sites), adapt_mass_matrix= "
+                   "whether it adapts, inverse_mass_matrix= the metric it starts from; the adapted one is "
+                   "kernel.inverse_mass_matrix (mcmc.inverse_mass_matrix per chain)")
 
 
 def _flatten(x, leaves: list):
@@ -512,6 +516,23 @@ class HMC(MCMCKernel):
         return OrderedDict(
             (names, inv[idx][:, idx] if dense else (inv.diagonal() if inv.dim() == 2 else inv)[idx])
             for names, idx, dense in self._mass_blocks()
+        )
+
+    @property
+    def mass_matrix_adapter(self):
+        """Pyro's kernels keep their metric in a ``mass_matrix_adapter`` object, which code
+        written for them reads or replaces (Pyro's epidemiology models put an
+        ``ArrowheadMassMatrix`` there). These kernels adapt the metric inside their compiled
+        programs: there is no such object, and one assigned here would be ignored, so both
+        are errors that say what to use instead."""
+        raise AttributeError(f"{type(self).__name__} of pyro_hmc_plus has no mass_matrix_adapter: {_METRIC_INSTEAD}")
+
+    @mass_matrix_adapter.setter
+    def mass_matrix_adapter(self, adapter):
+        raise AttributeError(
+            f"{type(self).__name__} of pyro_hmc_plus cannot use a mass matrix adapter ({type(adapter).__name__}): "
+            f"it adapts a diagonal or dense-block metric inside its compiled programs, where {_METRIC_INSTEAD}. For "
+            "another metric structure, use Pyro's kernel"
         )
 
     def _mass_blocks(self) -> list:

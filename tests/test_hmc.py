@@ -256,6 +256,21 @@ def test_dense_and_block_mass_matrices(full_mass):
         assert inv_mass[("a", "b")][0, 1] > 0.5 * cov[0, 1]
 
 
+@pytest.mark.parametrize("kernel_class", [HMC, NUTS])
+def test_pyros_mass_matrix_adapter_is_an_error_that_names_the_arguments_instead(kernel_class):
+    """Code written for Pyro's kernels reads ``kernel.mass_matrix_adapter`` or puts its own
+    adapter there (Pyro's epidemiology models assign an ``ArrowheadMassMatrix``); on these
+    kernels the assignment was silently ignored. Both are errors that name what to use."""
+    from pyro.infer.mcmc.adaptation import ArrowheadMassMatrix
+
+    kernel = kernel_class(normal_normal)
+    with pytest.raises(AttributeError, match=r"no mass_matrix_adapter: full_mass= .*inverse_mass_matrix="):
+        kernel.mass_matrix_adapter
+    assert not hasattr(kernel, "mass_matrix_adapter")
+    with pytest.raises(AttributeError, match=r"cannot use a mass matrix adapter \(ArrowheadMassMatrix\).*Pyro's kernel"):
+        kernel.mass_matrix_adapter = ArrowheadMassMatrix()
+
+
 def test_float64_models_run_in_float64():
     torch.set_default_dtype(torch.float64)
     x = torch.randn(10) + 1.0
