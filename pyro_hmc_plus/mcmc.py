@@ -539,7 +539,7 @@ class _ParallelSampler:
         memory) is an error, where Pyro's loop waited for ever."""
         C, total = self.num_chains, self.warmup_steps + self.num_samples
         start_method = self.ctx.get_start_method()
-        if start_method != "fork":
+        if _starts_by_pickling(start_method):
             interactive = _defined_interactively((self.kernel, self.hook, self.initial_params, args, kwargs))
             if interactive:
                 raise _DefinedInteractively(interactive, start_method)
@@ -627,6 +627,14 @@ def _set_sigint(handler):
     return signal.signal(signal.SIGINT, handler)
 
 
+def _starts_by_pickling(start_method: str) -> bool:
+    """Whether a worker started by ``start_method`` gets what it runs by pickling (the kernel,
+    the model, ``hook_fn``, the run's arguments) and finds their functions by importing their
+    modules, the main script among them: ``"spawn"`` and ``"forkserver"``; ``"fork"`` copies
+    this process instead."""
+    return start_method != "fork"
+
+
 def _start(worker, start_method: str):
     """Start a worker process, with a clear error where what it runs does not pickle (the
     ``"spawn"`` and ``"forkserver"`` start methods pickle it; ``"spawn"`` is the default on
@@ -634,7 +642,7 @@ def _start(worker, start_method: str):
     try:
         worker.start()
     except (AttributeError, TypeError, pickle.PicklingError) as e:
-        if start_method == "fork":
+        if not _starts_by_pickling(start_method):
             raise
         raise ValueError(
             f"chain_method='parallel' with the {start_method!r} start method sends the kernel, its model and the "
@@ -695,7 +703,7 @@ def _died_error(chains: List[int], exit_codes: List[int], silent: bool, start_me
     ``silent``: none of them sent anything, so (where they were not killed) they failed while
     starting, before this package's code ran in them."""
     ended = f"the worker processes of chains {chains} ended without their chains' results (exit codes {exit_codes}"
-    if silent and start_method != "fork" and all(code is not None and code > 0 for code in exit_codes):
+    if silent and _starts_by_pickling(start_method) and all(code is not None and code > 0 for code in exit_codes):
         return RuntimeError(
             f"{ended}): they failed while starting, each with its traceback on stderr (from a notebook: in the "
             f"terminal that runs it). A worker started by {start_method!r} runs the main script again as a module, "
