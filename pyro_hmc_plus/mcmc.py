@@ -636,9 +636,9 @@ def _starts_by_pickling(start_method: str) -> bool:
 
 
 def _start(worker, start_method: str):
-    """Start a worker process, with a clear error where what it runs does not pickle (the
-    ``"spawn"`` and ``"forkserver"`` start methods pickle it; ``"spawn"`` is the default on
-    macOS and Windows)."""
+    """Start a worker process, with a clear error where what it runs does not pickle and the
+    start method pickles it (:func:`_starts_by_pickling`; ``"spawn"`` is the default on macOS
+    and Windows)."""
     try:
         worker.start()
     except (AttributeError, TypeError, pickle.PicklingError) as e:
