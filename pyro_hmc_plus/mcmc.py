@@ -950,12 +950,14 @@ class _VectorizedRun:
         return k._steps_per_round(kind) + (self.T - 1) * k._steps_per_round(rounds.MIXED)
 
     def _safe_value_and_grad(self, z: torch.Tensor):
-        """Eager ``(U, dU/dz)`` chain by chain, with ``U = nan`` (a divergence) where the model
-        fails numerically: used to redo a call in which one chain's model raised."""
+        """``(U, dU/dz)`` chain by chain, from the engine's gradient (the traced one, checked
+        against Pyro's, else Pyro's), with ``U = nan`` (a divergence) where the model fails
+        numerically: used to redo a call in which one chain's model raised, and at the random
+        points of a program's validation inputs."""
         out = []
         for zc in z:
             try:
-                out.append(self.kernel._engine.eager_value_and_grad(zc))
+                out.append(self.kernel._engine.value_and_grad(zc))
             except (RuntimeError, ValueError) as e:
                 if not is_numerical_failure(e):
                     raise

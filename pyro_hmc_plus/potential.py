@@ -1070,15 +1070,18 @@ def _non_finite_sites(layout: SiteLayout, x: torch.Tensor) -> List[str]:
     return [name for name, v in layout.unpack(x).items() if not torch.isfinite(v).all()]
 
 
-def check_initial_point(flat: FlatPotential, z: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def check_initial_point(flat: FlatPotential, z: torch.Tensor, value_and_grad: Callable = None
+                        ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and
-    gradient; return them, ``U`` (0-d) and ``grad`` ``(D,)`` (the chain's first state)."""
+    gradient; return them, ``U`` (0-d) and ``grad`` ``(D,)`` (the chain's first state).
+    ``value_and_grad`` computes them (default: Pyro's potential, ``flat.value_and_grad``;
+    the kernels pass their engine's gradient, checked against Pyro's)."""
     if z.shape != (flat.dim,):
         raise ValueError(f"initial point has shape {tuple(z.shape)}, expected ({flat.dim},)")
     if not torch.isfinite(z).all():
         raise ValueError(f"initial values of sites {_non_finite_sites(flat.layout, z)} are not finite")
     with pyro.validation_enabled(False):
-        U, g = flat.value_and_grad(z)
+        U, g = (value_and_grad or flat.value_and_grad)(z)
     if not torch.isfinite(U):
         culprits = flat.sites_not_finite_at(flat.layout.unpack(z)) if flat.sites_not_finite_at else []
         raise ValueError(
