@@ -38,7 +38,9 @@ program against Pyro's potential instead would compare energy *differences* such
 is refused, fails, or a check fails, the engine warns once, saying why, and uses the eager
 path. Pyro's gradient itself is checked against central differences of ``U`` at two of those
 points (:attr:`GradientEngine.gradient_mismatch`): a model can cut its own gradient, which
-no engine can repair.
+no engine can repair. Past these checks Pyro's potential does not run again where the traced
+gradient agreed with it: every later ``U`` and gradient (the differences', the chains' first
+states, the programs' validation inputs) is the traced one.
 """
 
 from __future__ import annotations
@@ -232,15 +234,18 @@ class GradientEngine:
         ``OrderedLogistic`` whose top class has a probability below float32's resolution
         at every observation) is constant in ``U`` within the differences' steps. The other
         points are looked at only where the last one disagrees (four evaluations of ``U``
-        each)."""
+        each: of the traced graph where there is one, which computes the same ``U`` as Pyro's
+        potential, checked at these points, without running the model, ~0.3 s for a loop of
+        1,000 sample sites)."""
         points = self._at_check_points()[::-1]
         if not points:
             return None
+        potential = self.flat.potential if self._graph is None else (lambda z: self._graph(z)[0])
         (z,), (_, g) = points[0]
-        found = gradient_mismatch(self.flat, z, g)
+        found = gradient_mismatch(potential, z, g)
         if found is None or len(points) == 1:
             return found
-        confirmed = any(gradient_mismatch(self.flat, z, g) is not None for (z,), (_, g) in points[1:])
+        confirmed = any(gradient_mismatch(potential, z, g) is not None for (z,), (_, g) in points[1:])
         return found if confirmed else None
 
     @property
@@ -598,6 +603,7 @@ class GradientEngine:
         self.name = "trace"
 
     def _fall_back(self, reason: str, eager_is_correct: bool = True):
+        self._graph = None  # first: a graph that disagrees with Pyro's potential judges nothing
         if self.name != "eager":
             if eager_is_correct and self.gradient_mismatch is not None:
                 advice = ("Falling back to eager autograd, which runs the potential as it is, but whose gradient "
@@ -615,4 +621,3 @@ class GradientEngine:
             )
         self.name = "eager"
         self.fallback_reason = reason
-        self._graph = None

@@ -783,7 +783,7 @@ def flat_coordinates(layout: SiteLayout, gradients: Sequence[torch.Tensor]) -> L
     return layout.coordinate_names((torch.stack(list(gradients)) == 0).all(0))
 
 
-def gradient_mismatch(flat: FlatPotential, z: torch.Tensor, g: torch.Tensor):
+def gradient_mismatch(potential: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, g: torch.Tensor):
     """``(slope, gradient_slope)`` where the potential energy's slope at ``z`` along a random
     direction (central differences of ``U``) and the gradient ``g``'s grossly disagree, else
     ``None``: something in the model cuts the gradient of a term that ``U`` depends on, as
@@ -793,13 +793,15 @@ def gradient_mismatch(flat: FlatPotential, z: torch.Tensor, g: torch.Tensor):
     Two step sizes, ``1e-2`` and ``1e-3`` along a unit direction: the differences must agree
     with each other (ten times closer than to the gradient's slope, which they must miss by a
     quarter): rounding of ``U`` (float32) or a kink between the points makes them disagree,
-    and nothing is said. Four evaluations of ``U``; ``None`` where the model fails there."""
+    and nothing is said. Four evaluations of ``potential`` (``U`` of a flat point ``(D,)``:
+    :meth:`FlatPotential.potential`, or a traced graph's); ``None`` where the model fails
+    there."""
     gen = torch.Generator(device=z.device).manual_seed(0)
     direction = torch.randn(z.shape, generator=gen, dtype=z.dtype, device=z.device)
     direction = direction / direction.norm()
 
     def slope(h: float) -> float:
-        return (float(flat.potential(z + h * direction)) - float(flat.potential(z - h * direction))) / (2 * h)
+        return (float(potential(z + h * direction)) - float(potential(z - h * direction))) / (2 * h)
 
     try:
         with torch.no_grad(), pyro.validation_enabled(False):

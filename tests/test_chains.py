@@ -455,19 +455,20 @@ def test_each_chains_first_state_is_the_checked_start():
 
 
 @pytest.mark.parametrize("chain_method", [None, "vectorized"])
-def test_pyros_gradient_runs_only_to_record_and_check_the_traced_one(monkeypatch, chain_method):
-    """Pyro's potential and backward (one run of the model each: ~0.6 s for a loop of 1,000
-    sample sites) run once to record the gradient and once at each check point; every
-    later gradient, the chains' first states and the programs' validation inputs included,
-    is the traced one. (Each program's validation inputs used to take three of Pyro's, or
-    two per chain for the vectorized chains' rounds, and each chain's first state one more:
-    a loop of 1,000 sites took 24.9 -> 20.5 s to its first draw, 4 vectorized chains 34.1 ->
-    23.2 s for 50 + 50 draws.)"""
+def test_pyros_potential_runs_only_to_record_and_check_the_traced_gradient(monkeypatch, chain_method):
+    """Pyro's potential (one run of the model each: ~0.3 s for a loop of 1,000 sample sites,
+    ~0.6 s with its backward) runs once to record the gradient and once at each check
+    point; every later potential and gradient is the traced one: the chains' first states,
+    the programs' validation inputs and the finite differences that look for a cut gradient.
+    (Each program's validation inputs used to take three of Pyro's gradients, or two per
+    chain for the vectorized chains' rounds, each chain's first state one more, and the
+    differences four potentials: a loop of 1,000 sites took 24.9 -> 20.5 s to its first draw
+    for the gradients alone, 4 vectorized chains 34.1 -> 23.2 s for 50 + 50 draws.)"""
     from pyro_hmc_plus.potential import FlatPotential
 
     calls = []
-    pyros = FlatPotential.value_and_grad
-    monkeypatch.setattr(FlatPotential, "value_and_grad", lambda self, z: calls.append(z) or pyros(self, z))
+    pyros = FlatPotential.potential
+    monkeypatch.setattr(FlatPotential, "potential", lambda self, z: calls.append(z) or pyros(self, z))
     kernel = NUTS(gauss2d)
     pyro.set_rng_seed(0)
     if chain_method is None:

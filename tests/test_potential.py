@@ -148,7 +148,7 @@ def test_a_gradient_that_misses_part_of_the_potential_is_found(cut):
     y = torch.randn(50, 2, generator=torch.Generator().manual_seed(0)) * torch.tensor([2.0, 0.5])
     flat = from_model(two_scales, (y, cut))
     points = [flat.initial_z + shift for shift in (0.0, 1.0, -1.5)]
-    found = [gradient_mismatch(flat, z, flat.value_and_grad(z)[1]) for z in points]
+    found = [gradient_mismatch(flat.potential, z, flat.value_and_grad(z)[1]) for z in points]
     if cut is None:
         assert found == [None] * 3
     else:
@@ -156,7 +156,7 @@ def test_a_gradient_that_misses_part_of_the_potential_is_found(cut):
     eight = from_model(eight_schools, (EIGHT_SCHOOLS_Y, EIGHT_SCHOOLS_SIGMA))
     points = [eight.initial_z + torch.empty(eight.dim).uniform_(-2, 2, generator=torch.Generator().manual_seed(k))
               for k in range(5)]
-    assert [gradient_mismatch(eight, z, eight.value_and_grad(z)[1]) for z in points] == [None] * 5
+    assert [gradient_mismatch(eight.potential, z, eight.value_and_grad(z)[1]) for z in points] == [None] * 5
 
 
 def _bounded_by_latents(y):
