@@ -234,9 +234,9 @@ class GradientEngine:
         ``OrderedLogistic`` whose top class has a probability below float32's resolution
         at every observation) is constant in ``U`` within the differences' steps. The other
         points are looked at only where the last one disagrees (four evaluations of ``U``
-        each: of the traced graph where there is one, which computes the same ``U`` as Pyro's
-        potential, checked at these points, without running the model, ~0.3 s for a loop of
-        1,000 sample sites)."""
+        each). ``U`` is the traced graph's where there is one: the same function as Pyro's
+        potential, checked at these points, without a run of the model (~0.3 s each for a
+        loop of 1,000 sample sites)."""
         points = self._at_check_points()[::-1]
         if not points:
             return None

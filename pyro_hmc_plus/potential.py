@@ -1072,7 +1072,7 @@ def _non_finite_sites(layout: SiteLayout, x: torch.Tensor) -> List[str]:
     return [name for name, v in layout.unpack(x).items() if not torch.isfinite(v).all()]
 
 
-def check_initial_point(flat: FlatPotential, z: torch.Tensor, value_and_grad: Callable = None
+def check_initial_point(flat: FlatPotential, z: torch.Tensor, value_and_grad: Optional[Callable] = None
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Raise a clear error unless ``z`` (shape ``(D,)``) is finite with a finite U and
     gradient; return them, ``U`` (0-d) and ``grad`` ``(D,)`` (the chain's first state).
