@@ -462,7 +462,7 @@ def test_pyros_potential_runs_only_to_record_and_check_the_traced_gradient(monke
     the programs' validation inputs and the finite differences that look for a cut gradient.
     (Each program's validation inputs used to take three of Pyro's gradients, or two per
     chain for the vectorized chains' rounds, each chain's first state one more, and the
-    differences four potentials: a loop of 1,000 sites took 24.9 -> 20.5 s to its first draw
+    differences four potentials: a loop of 1,000 sites took 24.5 -> 20.1 s to its first draw
     for the gradients alone, 4 vectorized chains 34.1 -> 23.2 s for 50 + 50 draws.)"""
     from pyro_hmc_plus.potential import FlatPotential
 
