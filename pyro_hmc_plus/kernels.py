@@ -920,8 +920,8 @@ class HMC(MCMCKernel):
     def _block_inputs(self, z=None, generator=None):
         """A program's example inputs at ``z`` (default: the current point): its potential
         and gradient from the engine's own gradient, which was checked against Pyro's
-        (computing them with Pyro's potential cost one run of the model each, ~0.6 s for a
-        loop of 1,000 sample sites, six of them per set of validation inputs)."""
+        (computing them with Pyro's potential cost one run of the model and a backward each,
+        ~0.6 s for a loop of 1,000 sample sites, three per set of validation inputs)."""
         z = self._state.z if z is None else z
         U, g = self._engine.value_and_grad(z)
         r = torch.randn(z.shape, generator=generator, dtype=z.dtype, device=z.device)
